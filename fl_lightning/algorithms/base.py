@@ -1,0 +1,92 @@
+"""The algorithm interface: only the math of a method (personal parameters, local update, server update).
+
+The engine (``fl_lightning.module.FederatedModule``) owns sampling, aggregation, the server optimiser,
+client-state storage, logging and distribution. An algorithm says:
+
+* ``personal``: name prefixes of parameters that never leave a client (kept in the client bank);
+* ``init_client_state``: the per-client state template (by default the personal parameters);
+* ``client_update``: one client's local work → what it uploads and its new state;
+* ``server_update``: optional extra server math after the weighted average is applied;
+* ``client_model``: the parameters a client evaluates with.
+
+Uploads whose names are model parameters or buffers are averaged and applied to the global model
+through the server optimiser (the pseudo-gradient is the negative averaged delta). Any other upload
+name (e.g. a control-variate delta) is averaged and handed to ``server_update``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from fl_lightning.local import ClientContext, Params
+
+
+@dataclass
+class ClientUpdate:
+    """What one client returns: ``upload`` goes to the server, ``state`` back into the client bank."""
+
+    upload: Params
+    state: Params
+    num_samples: int
+    loss: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Algorithm(nn.Module):
+    """Base class. Subclasses are ``nn.Module`` only so that server state (e.g. SCAFFOLD's ``c``) is
+    checkpointed with the model; they hold no model weights themselves."""
+
+    personal: tuple[str, ...] = ()
+
+    def __init__(self, personal: Sequence[str] | None = None) -> None:
+        super().__init__()
+        if personal is not None:
+            self.personal = tuple(personal)
+
+    # -- naming -----------------------------------------------------------------------------------------
+    def is_personal(self, name: str) -> bool:
+        return any(name.startswith(p) for p in self.personal)
+
+    def shared_names(self, params: Params) -> list[str]:
+        return [n for n in params if not self.is_personal(n)]
+
+    def personal_names(self, params: Params) -> list[str]:
+        return [n for n in params if self.is_personal(n)]
+
+    # -- hooks ------------------------------------------------------------------------------------------
+    def setup(self, global_params: Params, num_clients: int) -> None:
+        """Called once before training with the initial global parameters (to size server state)."""
+
+    def init_client_state(self, global_params: Params) -> Params:
+        """Per-client state template, copied to every client. Default: the personal parameters."""
+        return {n: global_params[n] for n in self.personal_names(global_params)}
+
+    def upload_template(self, global_params: Params) -> Params:
+        """Names and shapes of what every client uploads (the aggregation input). Default: shared parts."""
+        return {n: global_params[n] for n in self.shared_names(global_params)}
+
+    def download_template(self, global_params: Params) -> Params:
+        """What the server sends to each sampled client (for the byte counts). Default: shared parts."""
+        return {n: global_params[n] for n in self.shared_names(global_params)}
+
+    def client_model(self, global_params: Params, state: Params) -> Params:
+        """Parameters a client uses: global shared parts overlaid with its own personal parts."""
+        return {**global_params, **{n: v for n, v in state.items() if n in global_params}}
+
+    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+        raise NotImplementedError
+
+    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+        """Optional server math after aggregation; may modify ``global_params`` tensors in place."""
+
+    def upload_shared(self, params: Params, ctx: ClientContext, state: Params, loss: float = 0.0) -> ClientUpdate:
+        """Common ending: upload the shared parameters, keep the personal ones as the new state."""
+        return ClientUpdate(
+            upload={n: params[n] for n in self.shared_names(params)},
+            state={**state, **{n: params[n] for n in self.personal_names(params) if n in state}},
+            num_samples=ctx.num_samples,
+            loss=loss,
+        )

@@ -1,0 +1,25 @@
+"""FedRep (Collins et al., 2021; spec 000 Algorithm 1): alternating head and body updates.
+
+Each sampled client first trains its personal head for ``head_epochs`` epochs with the body frozen, then
+the body for ``body_epochs`` epochs with the new head frozen. Only the body is uploaded; heads never
+leave the clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.local import ClientContext, Params
+
+
+class FedRep(Algorithm):
+    def __init__(self, head_epochs: int = 10, body_epochs: int = 1, personal: Sequence[str] = ("head.",)) -> None:
+        super().__init__(personal)
+        self.head_epochs, self.body_epochs = head_epochs, body_epochs
+
+    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+        params = self.client_model(global_params, state)
+        params = ctx.sgd(params, ctx.params_with(self.personal), self.head_epochs)
+        params = ctx.sgd(params, ctx.params_without(self.personal), self.body_epochs)
+        return self.upload_shared(params, ctx, state, loss=ctx.train_loss)

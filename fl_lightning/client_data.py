@@ -1,0 +1,86 @@
+"""Client data as client-indexed tensors: all samples sorted by client, with CSR offsets.
+
+Client ``c`` owns rows ``ptr[c]:ptr[c+1]`` of ``x``/``y``; a client's data is a zero-copy view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ClientSplit:
+    """One split (train or test) of every client: ``x[ptr[c]:ptr[c+1]]`` belongs to client ``c``."""
+
+    x: Tensor
+    y: Tensor
+    ptr: Tensor
+
+    @classmethod
+    def from_indices(cls, x: Tensor, y: Tensor, indices: Sequence[Tensor]) -> ClientSplit:
+        """Gather the per-client index sets of a partition into one client-sorted tensor."""
+        sizes = torch.tensor([len(i) for i in indices], dtype=torch.long)
+        order = torch.cat([torch.as_tensor(i, dtype=torch.long) for i in indices]) if len(indices) else sizes
+        ptr = torch.zeros(len(indices) + 1, dtype=torch.long)
+        ptr[1:] = sizes.cumsum(0)
+        return cls(x[order], y[order], ptr)
+
+    @property
+    def num_clients(self) -> int:
+        return self.ptr.numel() - 1
+
+    @property
+    def sizes(self) -> Tensor:
+        return self.ptr[1:] - self.ptr[:-1]
+
+    def client(self, c: int) -> tuple[Tensor, Tensor]:
+        lo, hi = int(self.ptr[c]), int(self.ptr[c + 1])
+        return self.x[lo:hi], self.y[lo:hi]
+
+    def client_ids(self) -> Tensor:
+        """The owner of every row: ``[N]``."""
+        return torch.repeat_interleave(torch.arange(self.num_clients, device=self.ptr.device), self.sizes)
+
+    def to(self, device: torch.device | str) -> ClientSplit:
+        return ClientSplit(self.x.to(device), self.y.to(device), self.ptr.to(device))
+
+
+@dataclass
+class FederatedData:
+    """Everything the engine needs from a DataModule.
+
+    ``side`` is the ``[num_clients, dim]`` side-information tensor (never uploaded), ``augment`` a
+    batched on-device transform ``(x, generator) -> x`` applied to training batches, ``num_classes``
+    is ``None`` for regression. ``extras`` holds ground truth for metrics (e.g. ``B_star``).
+    """
+
+    train: ClientSplit
+    test: ClientSplit
+    num_classes: int | None
+    seed: int = 0
+    side: Tensor | None = None
+    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return self.train.num_clients
+
+    @property
+    def task(self) -> str:
+        return "regression" if self.num_classes is None else "classification"
+
+    def to(self, device: torch.device | str) -> FederatedData:
+        return FederatedData(
+            self.train.to(device),
+            self.test.to(device),
+            self.num_classes,
+            self.seed,
+            None if self.side is None else self.side.to(device),
+            self.augment,
+            {k: v.to(device) for k, v in self.extras.items()},
+        )

@@ -1,0 +1,55 @@
+"""Per-client metrics (torchmetrics states, sum-reduced across ranks) and the papers' metrics."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class PerClientScores(Metric):
+    """``correct[c]``, ``total[c]``, ``loss_sum[c]`` for every client; each rank fills its own clients.
+
+    ``dist_reduce_fx="sum"`` makes ``compute()`` return every client's numbers on every rank.
+    """
+
+    full_state_update = False
+
+    def __init__(self, num_clients: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("loss_sum", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, client: int, correct: Tensor | float, total: int, loss_sum: Tensor | float) -> None:
+        self.correct[client] += correct
+        self.total[client] += total
+        self.loss_sum[client] += loss_sum
+
+    def compute(self) -> dict[str, Tensor]:
+        has_data = self.total > 0
+        total = self.total.clamp(min=1)
+        acc, loss = self.correct / total, self.loss_sum / total
+        return {
+            "acc_per_client": acc,
+            "loss_per_client": loss,
+            "acc_mean": acc[has_data].mean(),
+            "acc_weighted": self.correct.sum() / self.total.sum().clamp(min=1),
+            "loss_mean": loss[has_data].mean(),
+        }
+
+
+def orthonormal_basis(b: Tensor) -> Tensor:
+    q, _ = torch.linalg.qr(b)
+    return q
+
+
+def principal_angle_distance(b1: Tensor, b2: Tensor) -> Tensor:
+    """dist(B1, B2) = ‖(I − Q1Q1ᵀ) Q2‖₂ (spec 000 Definition 1): sine of the largest principal angle."""
+    q1, q2 = orthonormal_basis(b1.double()), orthonormal_basis(b2.double())
+    residual = q2 - q1 @ (q1.T @ q2)
+    return torch.linalg.matrix_norm(residual, ord=2)
+
+
+def tensor_bytes(tensors: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

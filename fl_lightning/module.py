@@ -1,0 +1,313 @@
+"""FederatedModule: the Lightning plumbing of a federated run, shared by every algorithm.
+
+One ``training_step`` is one communication round (manual optimisation):
+
+1. the round loader gives the round index and the sampled cohort (a pure function of ``(seed, round)``);
+2. this rank runs the algorithm's ``client_update`` for its slice ``cohort[rank::world]``;
+3. the weighted sums of the uploads and the cohort's new client-state rows are packed into one flat
+   tensor and sum-reduced across ranks (identity on one process);
+4. the server optimiser takes a step with the negative averaged delta as pseudo-gradient
+   (``SGD(lr=1)`` is FedAvg), so ``trainer.global_step`` counts rounds;
+5. every ``eval_every`` rounds and in the last ``eval_last`` rounds, every client evaluates its own
+   model on its own test split.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client_data import FederatedData
+from fl_lightning.ledger import CommunicationLedger
+from fl_lightning.local import ClientContext, ClientOptimizer, Params, loss_fn_for, select
+from fl_lightning.metrics import PerClientScores, principal_angle_distance
+from fl_lightning.rounds import make_generator
+from fl_lightning.state import ClientStateBank
+
+
+@dataclass
+class FineTune:
+    """"+FT" (spec 000 §2.4): after training, each client fine-tunes ``prefixes`` for ``epochs`` epochs
+    on its training data, and is evaluated once with the result."""
+
+    epochs: int = 10
+    prefixes: tuple[str, ...] = ("head.",)
+
+
+class FederatedModule(L.LightningModule):
+    """A federated run of ``algorithm`` on the split model ``network``.
+
+    Args:
+        algorithm: the method's math (``fl_lightning.algorithms``).
+        network: a ``SplitModel``; its parameters are the initial global (and personal) parameters.
+        lr, momentum, weight_decay, batch_size: the clients' local SGD.
+        aggregation: weight client uploads ``uniform``-ly or by ``num_samples``.
+        server_lr, server_momentum: the server optimiser (SGD; lr 1 and momentum 0 is FedAvg).
+        eval_every: evaluate all clients every this many rounds (and in the last ``eval_last`` rounds).
+        finetune: optional "+FT" evaluation at the end of training.
+    """
+
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        network: nn.Module,
+        lr: float = 0.01,
+        momentum: float = 0.5,
+        weight_decay: float = 0.0,
+        batch_size: int = 10,
+        aggregation: Literal["uniform", "num_samples"] = "num_samples",
+        server_lr: float = 1.0,
+        server_momentum: float = 0.0,
+        eval_every: int = 1,
+        eval_last: int = 10,
+        finetune: FineTune | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in {"lr": lr, "batch_size": batch_size, "eval_every": eval_every, "server_lr": server_lr}.items():
+            if value <= 0:
+                raise ValueError(f"model.{name} must be positive, got {value}")
+        self.save_hyperparameters(ignore=["algorithm", "network"])
+        self.automatic_optimization = False
+        self.algorithm, self.net = algorithm, network
+        self.client_optimizer = ClientOptimizer(lr, momentum, weight_decay, batch_size)
+        self.aggregation, self.eval_every, self.eval_last, self.finetune = aggregation, eval_every, eval_last, finetune
+        self.bank: ClientStateBank | None = None
+        self.fed: FederatedData | None = None
+        self.history: list[dict[str, float]] = []
+        self.summary: dict[str, Any] = {}
+        self._fit_start = 0.0
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def global_params(self) -> Params:
+        """The global model as a detached ``name -> tensor`` dict (parameters and buffers)."""
+        out = {n: p.detach() for n, p in self.net.named_parameters()}
+        out.update({n: b.detach() for n, b in self.net.named_buffers()})
+        return out
+
+    def attach_data(self, fed: FederatedData) -> None:
+        """Bind client data and build the client-state bank (idempotent)."""
+        self.fed = fed
+        glob = self.global_params()
+        for prefix in self.algorithm.personal:
+            if not select(list(glob), [prefix]):
+                raise ValueError(
+                    f"personal prefix '{prefix}' of {type(self.algorithm).__name__} matches no parameter of "
+                    f"{type(self.net).__name__} (parameters: {', '.join(n for n, _ in self.net.named_parameters())})"
+                )
+        if self.bank is None or self.bank.num_clients != fed.num_clients:
+            self.algorithm.setup(glob, fed.num_clients)
+            self.bank = ClientStateBank(self.algorithm.init_client_state(glob), fed.num_clients).to(self.device)
+            self.client_scores = PerClientScores(fed.num_clients).to(self.device)
+        self.loss_fn = loss_fn_for(fed.num_classes)
+        template = self.algorithm.upload_template(glob)
+        self.ledger = CommunicationLedger(self.algorithm.is_personal, set(template))
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "federated"):
+            raise ValueError("FederatedModule needs a FederatedDataModule (trainer.fit(model, datamodule=...))")
+        self.attach_data(datamodule.federated)
+
+    def on_fit_start(self) -> None:
+        self.fed = self.fed.to(self.device)
+        self._fit_start = time.perf_counter()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.net.parameters(), lr=self.hparams.server_lr, momentum=self.hparams.server_momentum)
+
+    # ---- clients -----------------------------------------------------------------------------------------
+    def client_context(self, client: int, round_idx: int, split: str = "train", tag: str = "train") -> ClientContext:
+        data = self.fed.train if split == "train" else self.fed.test
+        x, y = data.client(client)
+        return ClientContext(
+            self.net,
+            client,
+            x,
+            y,
+            None if self.fed.side is None else self.fed.side[client],
+            self.client_optimizer,
+            self.loss_fn,
+            make_generator(self.fed.seed, tag, round_idx, client),
+            self.fed.augment if split == "train" else None,
+            round_idx,
+        )
+
+    def run_clients(self, clients: list[int], round_idx: int, glob: Params, states: list[Params]) -> list[ClientUpdate]:
+        """The sequential client executor: one client after the other (the reference path)."""
+        return [
+            self.algorithm.client_update(self.client_context(c, round_idx), glob, st) for c, st in zip(clients, states)
+        ]
+
+    # ---- one round ---------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        round_idx, cohort = int(batch["round"]), batch["clients"].to(self.device)
+        if round_idx != self.global_step:
+            raise RuntimeError(f"round loader is at round {round_idx} but trainer.global_step is {self.global_step}")
+        world, rank = self.trainer.world_size, self.global_rank
+        glob = self.global_params()
+        template = self.algorithm.upload_template(glob)
+        cohort_states = self.bank.gather(cohort)
+        mine = list(range(rank, len(cohort), world))
+
+        self.ledger.new_round()
+        self.ledger.download(self.algorithm.download_template(glob), len(cohort))
+        updates = self.run_clients(
+            [int(cohort[j]) for j in mine], round_idx, glob, [{n: v[j] for n, v in cohort_states.items()} for j in mine]
+        )
+
+        sums = {n: torch.zeros_like(t) for n, t in template.items()}
+        new_rows = {n: torch.zeros_like(v) for n, v in cohort_states.items()}
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # weight, loss*weight, samples, clients
+        for j, upd in zip(mine, updates):
+            self.ledger.upload(round_idx, int(cohort[j]), upd.upload)
+            if set(upd.upload) != set(template):
+                raise RuntimeError(f"{type(self.algorithm).__name__} uploaded {sorted(upd.upload)}, not its template")
+            w = float(upd.num_samples) if self.aggregation == "num_samples" else 1.0
+            for n, v in upd.upload.items():
+                sums[n] += w * (v - glob[n]) if n in glob else w * v
+            for n in new_rows:
+                new_rows[n][j] = upd.state[n]
+            stats += torch.tensor([w, w * upd.loss, upd.num_samples, 1.0], dtype=torch.float64, device=self.device)
+
+        flat = torch.cat([t.reshape(-1).double() for t in (*sums.values(), *new_rows.values())] + [stats])
+        flat = self.trainer.strategy.reduce(flat, reduce_op="sum")
+        sums, new_rows, stats = self._unflatten(flat, sums, new_rows)
+        if new_rows:
+            self.bank.scatter(cohort, new_rows)
+        self._server_step(glob, sums, stats[0], round_idx)
+
+        self.log_dict(
+            {
+                "train/loss": stats[1] / stats[0].clamp(min=1e-12),
+                "train/clients": stats[3],
+                "comm/upload_bytes": float(self.trainer.strategy.reduce(
+                    torch.tensor(float(self.ledger.upload_bytes), device=self.device), reduce_op="sum")),
+                "comm/download_bytes": float(self.ledger.download_bytes),
+                "round": float(round_idx),
+            },
+            prog_bar=False,
+        )
+        last_round = self.trainer.max_steps - 1
+        if (round_idx + 1) % self.eval_every == 0 or round_idx >= last_round - self.eval_last + 1:
+            self.evaluate_and_log(round_idx)
+        if round_idx == last_round:
+            self.final_evaluation(round_idx)
+
+    @staticmethod
+    def _unflatten(flat: Tensor, *groups: dict[str, Tensor]) -> tuple[Any, ...]:
+        out, i = [], 0
+        for group in groups:
+            unpacked = {}
+            for n, t in group.items():
+                unpacked[n] = flat[i : i + t.numel()].view(t.shape).to(t.dtype)
+                i += t.numel()
+            out.append(unpacked)
+        out.append(flat[i:])
+        return tuple(out)
+
+    def _server_step(self, glob: Params, sums: Params, weight: Tensor, round_idx: int) -> None:
+        """Apply the averaged upload: model parameters through the server optimiser, buffers directly."""
+        opt = self.optimizers()
+        opt.zero_grad()
+        averaged = {n: s / weight for n, s in sums.items()} if weight > 0 else {}
+        params = dict(self.net.named_parameters())
+        buffers = dict(self.net.named_buffers())
+        for n, delta in averaged.items():
+            if n in params:
+                params[n].grad = -delta
+        opt.step()
+        with torch.no_grad():
+            for n, delta in averaged.items():
+                if n in buffers:
+                    buffers[n].add_(delta.to(buffers[n].dtype))
+            extra = {n: v for n, v in averaged.items() if n not in params and n not in buffers}
+            live = {**params, **buffers}
+            self.algorithm.server_update(live, extra, round_idx)
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _score(self, client: int, params: Params) -> tuple[float, int, float]:
+        x, y = self.fed.test.client(client)
+        if x.shape[0] == 0:
+            return 0.0, 0, 0.0
+        side = None if self.fed.side is None else self.fed.side[client]
+        correct, loss_sum = 0.0, 0.0
+        for i in range(0, x.shape[0], 2048):
+            xb, yb = x[i : i + 2048], y[i : i + 2048]
+            sb = None if side is None else side.expand(xb.shape[0], *side.shape)
+            out = torch.func.functional_call(self.net, params, (xb,), {"side": sb}, strict=False)
+            if self.fed.num_classes is None:
+                loss_sum += float(((out - yb) ** 2).sum())
+            else:
+                loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
+                correct += float((out.argmax(-1) == yb).sum())
+        return correct, x.shape[0], loss_sum
+
+    def evaluate_clients(self, round_idx: int, finetune: FineTune | None = None) -> dict[str, Tensor]:
+        """Every client evaluates (global shared + its own personal state) on its own test split."""
+        was_training = self.net.training
+        self.net.eval()
+        glob = self.global_params()
+        self.client_scores.reset()
+        for c in range(self.global_rank, self.fed.num_clients, self.trainer.world_size):
+            params = self.algorithm.client_model(glob, self.bank.get(c))
+            if finetune is not None:
+                self.net.train(was_training)
+                ctx = self.client_context(c, round_idx, tag="finetune")
+                params = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
+                self.net.eval()
+            self.client_scores.update(c, *self._score(c, params))
+        result = self.client_scores.compute()
+        self.net.train(was_training)
+        return result
+
+    def evaluate_and_log(self, round_idx: int) -> None:
+        result = self.evaluate_clients(round_idx)
+        metrics: dict[str, float] = {}
+        if self.fed.num_classes is None:
+            metrics["val/mse_mean"] = float(result["loss_mean"])
+        else:
+            metrics["val/acc_mean"] = float(result["acc_mean"])
+            metrics["val/acc_weighted"] = float(result["acc_weighted"])
+            metrics["val/loss"] = float(result["loss_mean"])
+        if "B_star" in self.fed.extras and hasattr(self.net, "representation"):
+            metrics["val/dist_B"] = float(principal_angle_distance(self.fed.extras["B_star"], self.net.representation))
+        key = "val/acc_mean" if "val/acc_mean" in metrics else "val/mse_mean"
+        self.history.append({"round": round_idx, **metrics})
+        recent = [h[key] for h in self.history[-self.eval_last :]]
+        metrics[key.replace("_mean", "_last10")] = sum(recent) / len(recent)
+        self.last_client_scores = result
+        self.log_dict(metrics, prog_bar=True)
+
+    def final_evaluation(self, round_idx: int) -> None:
+        """At the last round: the "+FT" evaluation if configured, and the run summary for the table."""
+        last = self.history[-1] if self.history else {}
+        key = "val/acc_mean" if self.fed.num_classes is not None else "val/mse_mean"
+        summary = {
+            "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
+            "rounds": round_idx + 1,
+            "final": last.get(key, float("nan")),
+            "last10": sum(h[key] for h in self.history[-self.eval_last :]) / max(len(self.history[-self.eval_last :]), 1),
+            "wall_s": time.perf_counter() - self._fit_start,
+            "metric": key.split("/")[1].replace("_mean", ""),
+        }
+        if "val/dist_B" in last:
+            summary["dist_B"] = last["val/dist_B"]
+        if self.finetune is not None:
+            result = self.evaluate_clients(round_idx, finetune=self.finetune)
+            summary["final"] = summary["last10"] = float(result["acc_mean"])
+            self.log("final/acc_ft", float(result["acc_mean"]))
+        self.summary = summary
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["fl_history"] = list(self.history)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.history = list(checkpoint.get("fl_history", []))

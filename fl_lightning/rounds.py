@@ -1,0 +1,63 @@
+"""Client sampling and the stateful round loader (one item per communication round)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that depends only on ``parts`` (stable across processes and machines)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def make_generator(*parts: int | str) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+class ClientSampler:
+    """Uniform sampling without replacement; the cohort of round ``t`` is a pure function of ``(seed, t)``."""
+
+    def __init__(self, num_clients: int, clients_per_round: int, seed: int) -> None:
+        if not 1 <= clients_per_round <= num_clients:
+            raise ValueError(
+                f"clients_per_round={clients_per_round} must be between 1 and num_clients={num_clients}"
+            )
+        self.num_clients, self.clients_per_round, self.seed = num_clients, clients_per_round, seed
+
+    def sample(self, round_idx: int) -> torch.Tensor:
+        if self.clients_per_round == self.num_clients:
+            return torch.arange(self.num_clients)
+        perm = torch.randperm(self.num_clients, generator=make_generator(self.seed, "cohort", round_idx))
+        return perm[: self.clients_per_round].sort().values
+
+
+class RoundLoader:
+    """Yields ``{"round": t, "clients": cohort}`` for ``t = next_round .. num_rounds-1``.
+
+    It has ``state_dict``/``load_state_dict``, so Lightning stores its position in checkpoints and a
+    resumed run continues with the next round instead of replaying from round 0.
+    """
+
+    def __init__(self, sampler: ClientSampler, num_rounds: int) -> None:
+        self.sampler, self.num_rounds, self.next_round = sampler, num_rounds, 0
+
+    def __len__(self) -> int:
+        return self.num_rounds
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        while self.next_round < self.num_rounds:
+            r = self.next_round
+            self.next_round += 1
+            yield {"round": torch.tensor(r), "clients": self.sampler.sample(r)}
+        self.next_round = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_round": self.next_round}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next_round = int(state["next_round"])
