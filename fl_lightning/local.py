@@ -59,10 +59,11 @@ class ClientContext:
         generator: torch.Generator,
         augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
         round_idx: int = 0,
+        seed: int = 0,
     ) -> None:
         self.net, self.client, self.x, self.y, self.side = net, client, x, y, side
         self.optimizer, self.loss_fn, self.generator, self.augment = optimizer, loss_fn, generator, augment
-        self.round = round_idx
+        self.round, self.seed = round_idx, seed
         self.param_names = [n for n, _ in net.named_parameters()]
         self.train_loss = 0.0
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client_data import FederatedData
+from fl_lightning.errors import ConfigError
 from fl_lightning.ledger import CommunicationLedger
 from fl_lightning.local import ClientContext, ClientOptimizer, Params, loss_fn_for, select
 from fl_lightning.metrics import PerClientScores, principal_angle_distance
@@ -71,7 +72,7 @@ class FederatedModule(L.LightningModule):
         super().__init__()
         for name, value in {"lr": lr, "batch_size": batch_size, "eval_every": eval_every, "server_lr": server_lr}.items():
             if value <= 0:
-                raise ValueError(f"model.{name} must be positive, got {value}")
+                raise ConfigError(f"model.{name} must be positive, got {value}")
         self.save_hyperparameters(ignore=["algorithm", "network"])
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
@@ -96,7 +97,7 @@ class FederatedModule(L.LightningModule):
         glob = self.global_params()
         for prefix in self.algorithm.personal:
             if not select(list(glob), [prefix]):
-                raise ValueError(
+                raise ConfigError(
                     f"personal prefix '{prefix}' of {type(self.algorithm).__name__} matches no parameter of "
                     f"{type(self.net).__name__} (parameters: {', '.join(n for n, _ in self.net.named_parameters())})"
                 )
@@ -111,7 +112,7 @@ class FederatedModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "federated"):
-            raise ValueError("FederatedModule needs a FederatedDataModule (trainer.fit(model, datamodule=...))")
+            raise ConfigError("FederatedModule needs a FederatedDataModule (trainer.fit(model, datamodule=...))")
         self.attach_data(datamodule.federated)
 
     def on_fit_start(self) -> None:
@@ -136,6 +137,7 @@ class FederatedModule(L.LightningModule):
             make_generator(self.fed.seed, tag, round_idx, client),
             self.fed.augment if split == "train" else None,
             round_idx,
+            self.fed.seed,
         )
 
     def run_clients(self, clients: list[int], round_idx: int, glob: Params, states: list[Params]) -> list[ClientUpdate]:
@@ -257,11 +259,12 @@ class FederatedModule(L.LightningModule):
         self.client_scores.reset()
         for c in range(self.global_rank, self.fed.num_clients, self.trainer.world_size):
             params = self.algorithm.client_model(glob, self.bank.get(c))
+            self.net.train(was_training)
+            ctx = self.client_context(c, round_idx, tag="evaluation")
+            params = self.algorithm.adapt_for_evaluation(ctx, params)
             if finetune is not None:
-                self.net.train(was_training)
-                ctx = self.client_context(c, round_idx, tag="finetune")
                 params = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
-                self.net.eval()
+            self.net.eval()
             self.client_scores.update(c, *self._score(c, params))
         result = self.client_scores.compute()
         self.net.train(was_training)

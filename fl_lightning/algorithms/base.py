@@ -7,7 +7,7 @@ client-state storage, logging and distribution. An algorithm says:
 * ``init_client_state``: the per-client state template (by default the personal parameters);
 * ``client_update``: one client's local work → what it uploads and its new state;
 * ``server_update``: optional extra server math after the weighted average is applied;
-* ``client_model``: the parameters a client evaluates with.
+* ``client_model``: the parameters a client evaluates with (``adapt_for_evaluation`` may adapt them).
 
 Uploads whose names are model parameters or buffers are averaged and applied to the global model
 through the server optimiser (the pseudo-gradient is the negative averaged delta). Any other upload
@@ -75,6 +75,10 @@ class Algorithm(nn.Module):
     def client_model(self, global_params: Params, state: Params) -> Params:
         """Parameters a client uses: global shared parts overlaid with its own personal parts."""
         return {**global_params, **{n: v for n, v in state.items() if n in global_params}}
+
+    def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:
+        """Optional local adaptation on the client's training data before it is evaluated (Per-FedAvg)."""
+        return params
 
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError

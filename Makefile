@@ -1,0 +1,34 @@
+# fl_lightning: `make train` runs the default offline job, `make test` runs the test suite.
+# Both create the virtualenv (.venv) on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+
+.PHONY: train test lint reproduce reproduce-digits bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) train.py --config configs/quickstart.yaml
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest tests
+	$(PY) -m ruff check .
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+reproduce-digits: $(STAMP)
+	$(PY) -m fl_lightning.reproduce digits
+
+reproduce: reproduce-digits
+
+clean:
+	rm -rf runs results wandb lightning_logs

@@ -1,0 +1,241 @@
+"""The command line: ``python train.py --config configs/x.yaml [--a.b value] [--ckpt_path last]``.
+
+LightningCLI (``run=False``) parses the YAML into a ``FederatedModule`` and a ``FederatedDataModule``.
+This wrapper adds the run directory, the loggers (CSV always, W&B offline unless you are logged in),
+round checkpoints, one-line errors for bad configs and data (exit code 2), and the result table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fl_lightning.errors import ConfigError
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "max_steps": 100,
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+    "limit_val_batches": 0,
+    "use_distributed_sampler": False,
+    "enable_model_summary": False,
+}
+
+
+@dataclass
+class WandbOptions:
+    """W&B settings. ``mode``: online, offline or disabled; ``auto`` is online when an API key is
+    configured and offline otherwise (``wandb sync`` uploads offline runs later)."""
+
+    project: str = "fl_lightning"
+    group: str | None = None
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    mode: str = "auto"
+
+
+def _wandb_mode(requested: str) -> str:
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if requested != "auto":
+        return requested
+    netrc = Path.home() / ".netrc"
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
+    return "online" if logged_in else "offline"
+
+
+def make_loggers(run_dir: Path, wandb: WandbOptions, config: dict[str, Any]) -> list[Any]:
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    mode = _wandb_mode(wandb.mode)
+    if mode != "disabled":
+        from lightning.pytorch.loggers import WandbLogger
+
+        logger = WandbLogger(
+            project=wandb.project,
+            group=wandb.group,
+            name=wandb.name or run_dir.name,
+            tags=list(wandb.tags),
+            save_dir=str(run_dir),
+            mode=mode,
+        )
+        logger.log_hyperparams(config)
+        loggers.append(logger)
+    return loggers
+
+
+def _make_cli_class():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI
+
+    class FederatedCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_argument("--run_dir", type=str | None, default=None, help="Output folder (default runs/<config>).")
+            parser.add_argument("--ckpt_path", type=str | None, default=None, help="Checkpoint to resume, or 'last'.")
+            parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
+            parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
+
+        def instantiate_trainer(self, **kwargs: Any):
+            cfg = self.config
+            run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir = run_dir
+            if cfg.checkpoint_every < 1:
+                raise ConfigError(f"checkpoint_every must be ≥ 1, got {cfg.checkpoint_every}")
+            trainer_cfg = self._get(self.config_init, "trainer", default={})
+            if trainer_cfg.get("logger") in (None, True):
+                dump = self.parser.dump(cfg, skip_none=False, format="json")
+                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, json.loads(dump))
+            kwargs["default_root_dir"] = str(run_dir)
+            callbacks = list(trainer_cfg.get("callbacks") or [])
+            if trainer_cfg.get("enable_checkpointing", True) is not False and not any(
+                isinstance(c, ModelCheckpoint) for c in callbacks
+            ):
+                callbacks.append(
+                    ModelCheckpoint(
+                        dirpath=str(run_dir / "checkpoints"),
+                        filename="round{step:05d}",
+                        auto_insert_metric_name=False,
+                        every_n_train_steps=cfg.checkpoint_every,
+                        save_top_k=2,
+                        monitor="step",
+                        mode="max",
+                        save_last=True,
+                    )
+                )
+            kwargs["callbacks"] = callbacks
+            return super().instantiate_trainer(**kwargs)
+
+    return FederatedCLI
+
+
+def default_run_dir(cfg: Any) -> Path:
+    configs = cfg.get("config") or []
+    stem = "_".join(Path(str(c)).stem for c in configs) or "run"
+    return Path("runs") / stem
+
+
+def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
+    if ckpt_path is None:
+        return None
+    if ckpt_path == "last":
+        path = run_dir / "checkpoints" / "last.ckpt"
+        if not path.exists():
+            raise ConfigError(f"--ckpt_path last: no checkpoint at {path} (train once with the same config first)")
+        return str(path)
+    if not Path(ckpt_path).exists():
+        raise ConfigError(f"--ckpt_path: file {ckpt_path} does not exist")
+    return ckpt_path
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of run summaries."""
+    headers = ["algorithm", "metric", "final", "last10", "rounds", "wall_s"]
+    extra = [k for k in ("dist_B",) if any(k in r for r in rows)]
+    headers += extra
+    cells = [[_fmt(r.get(h, "")) for h in headers] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(out)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e-2 and v != 0 else f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+KNOWN = {"model.algorithm": "fl_lightning.algorithms", "model.network": "fl_lightning.models", "data": "datamodules"}
+
+
+def _known(key: str) -> str:
+    import importlib
+
+    for prefix, module in KNOWN.items():
+        if key.startswith(prefix):
+            mod = importlib.import_module(module)
+            names = getattr(mod, "__all__", None) or [n for n in dir(mod) if n[:1].isupper()]
+            return f" (known: {', '.join(sorted(names))})"
+    return ""
+
+
+def _one_line(exc: BaseException) -> str:
+    """Condense an error (jsonargparse nests its causes over many lines) into one readable line."""
+    import re
+
+    text = str(exc).strip() or type(exc).__name__
+    key_match = re.search(r'Parser key "([^"]+)"', text)
+    key = key_match.group(1) if key_match else ""
+    unknown = re.search(r"has no attribute '([^']+)'|No module named '([^']+)'|import path string: (\S+)", text)
+    if unknown:
+        name = re.search(r"class_path '([^']+)'", text)
+        shown = name.group(1) if name else next(g for g in unknown.groups() if g)
+        return f"{key or 'config'}: unknown class '{shown}'{_known(key)}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    noise = ("Expected a <class 'NoneType'>", "Does not validate", "Expected a path", "Subtypes:", "Errors:", "Given value")
+    reasons = [ln.lstrip("- ") for ln in lines[1:] if ln.startswith("- ") and not ln.lstrip("- ").startswith(noise)]
+    head = lines[0] if not lines[0].startswith(noise) else ""
+    if reasons:
+        head = f"{key}: {reasons[0]}" if key else reasons[0]
+    return " ".join((head or lines[0]).split())
+
+
+def run(args: list[str] | None = None) -> dict[str, Any]:
+    """Parse, train, print the result table. Returns the run summary."""
+    from jsonargparse import ArgumentError
+
+    from fl_lightning.module import FederatedModule
+    from datamodules.base import FederatedDataModule
+
+    cli_class = _make_cli_class()
+    try:
+        cli = cli_class(
+            FederatedModule,
+            FederatedDataModule,
+            subclass_mode_data=True,
+            run=False,
+            args=args,
+            trainer_defaults=TRAINER_DEFAULTS,
+            auto_configure_optimizers=False,
+            parser_kwargs={"exit_on_error": False},
+            save_config_kwargs={"overwrite": True},
+        )
+    except ArgumentError as exc:
+        raise ConfigError(_one_line(exc)) from None
+    except (TypeError, ValueError) as exc:  # raised by our constructors' validation
+        raise ConfigError(_one_line(exc)) from None
+    cli.datamodule.setup("fit")  # surface data errors before Lightning starts
+    ckpt = resolve_ckpt(cli.config.ckpt_path, cli.run_dir)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
+    summary = dict(cli.model.summary)
+    summary["wall_s"] = time.perf_counter() - start
+    if cli.trainer.is_global_zero and summary:
+        print()
+        print(format_table([summary]))
+        (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"run: {cli.run_dir}")
+    return summary
+
+
+def main(args: list[str] | None = None) -> int:
+    torch.set_float32_matmul_precision("high")
+    try:
+        run(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

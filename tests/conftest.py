@@ -1,0 +1,45 @@
+"""Shared helpers: small federated runs on the bundled digits and the synthetic linear data."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+torch.set_num_threads(1)
+
+
+def make_trainer(rounds: int, **kwargs) -> L.Trainer:
+    defaults = dict(
+        max_steps=rounds,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def fit(module, datamodule, rounds: int, seed: int = 0, **trainer_kwargs):
+    """Seed, build, train for ``rounds`` rounds; returns the trained module."""
+    L.seed_everything(seed, verbose=False)
+    trainer = make_trainer(rounds, **trainer_kwargs)
+    trainer.fit(module, datamodule=datamodule)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
