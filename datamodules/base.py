@@ -39,9 +39,7 @@ class FederatedDataModule(L.LightningDataModule):
         if clients_per_round is not None and clients_per_round < 1:
             raise ConfigError(f"data.clients_per_round must be ≥ 1, got {clients_per_round}")
         if clients_per_round is not None and clients_per_round > num_clients:
-            raise ConfigError(
-                f"data.clients_per_round={clients_per_round} is more than data.num_clients={num_clients}"
-            )
+            raise ConfigError(f"data.clients_per_round={clients_per_round} is more than data.num_clients={num_clients}")
         self.num_clients, self.seed = num_clients, seed
         if clients_per_round is None:
             clients_per_round = max(1, round((participation if participation is not None else 0.1) * num_clients))
@@ -62,7 +60,9 @@ class FederatedDataModule(L.LightningDataModule):
     def rng(self, *salt: int) -> np.random.Generator:
         return np.random.default_rng([self.resolved_seed, *salt])
 
-    def make_federated(self, x_train, y_train, train_sets, x_test, y_test, test_sets, num_classes, **kw) -> FederatedData:
+    def make_federated(
+        self, x_train, y_train, train_sets, x_test, y_test, test_sets, num_classes, **kw
+    ) -> FederatedData:
         train = ClientSplit.from_indices(x_train, y_train, train_sets)
         test = ClientSplit.from_indices(x_test, y_test, test_sets)
         empty = torch.nonzero(train.sizes == 0).flatten().tolist()

@@ -15,7 +15,9 @@ from fl_lightning.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 
-def linear_ground_truth(num_clients: int, dim: int, rank: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_ground_truth(
+    num_clients: int, dim: int, rank: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     b_star, _ = torch.linalg.qr(torch.randn(dim, rank, generator=generator, dtype=torch.float64))
     w_star = torch.randn(num_clients, rank, generator=generator, dtype=torch.float64)
     w_star = w_star / w_star.norm(dim=1, keepdim=True) * rank**0.5

@@ -78,7 +78,9 @@ def _make_cli_class():
 
     class FederatedCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
-            parser.add_argument("--run_dir", type=str | None, default=None, help="Output folder (default runs/<config>).")
+            parser.add_argument(
+                "--run_dir", type=str | None, default=None, help="Output folder (default runs/<config>)."
+            )
             parser.add_argument("--ckpt_path", type=str | None, default=None, help="Checkpoint to resume, or 'last'.")
             parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
             parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
@@ -182,7 +184,14 @@ def _one_line(exc: BaseException) -> str:
         shown = name.group(1) if name else next(g for g in unknown.groups() if g)
         return f"{key or 'config'}: unknown class '{shown}'{_known(key)}"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    noise = ("Expected a <class 'NoneType'>", "Does not validate", "Expected a path", "Subtypes:", "Errors:", "Given value")
+    noise = (
+        "Expected a <class 'NoneType'>",
+        "Does not validate",
+        "Expected a path",
+        "Subtypes:",
+        "Errors:",
+        "Given value",
+    )
     reasons = [ln.lstrip("- ") for ln in lines[1:] if ln.startswith("- ") and not ln.lstrip("- ").startswith(noise)]
     head = lines[0] if not lines[0].startswith(noise) else ""
     if reasons:
@@ -194,8 +203,8 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
     """Parse, train, print the result table. Returns the run summary."""
     from jsonargparse import ArgumentError
 
-    from fl_lightning.module import FederatedModule
     from datamodules.base import FederatedDataModule
+    from fl_lightning.module import FederatedModule
 
     cli_class = _make_cli_class()
     try:

@@ -34,7 +34,7 @@ from fl_lightning.state import ClientStateBank
 
 @dataclass
 class FineTune:
-    """"+FT" (spec 000 §2.4): after training, each client fine-tunes ``prefixes`` for ``epochs`` epochs
+    """ "+FT" (spec 000 §2.4): after training, each client fine-tunes ``prefixes`` for ``epochs`` epochs
     on its training data, and is evaluated once with the result."""
 
     epochs: int = 10
@@ -70,7 +70,12 @@ class FederatedModule(L.LightningModule):
         finetune: FineTune | None = None,
     ) -> None:
         super().__init__()
-        for name, value in {"lr": lr, "batch_size": batch_size, "eval_every": eval_every, "server_lr": server_lr}.items():
+        for name, value in {
+            "lr": lr,
+            "batch_size": batch_size,
+            "eval_every": eval_every,
+            "server_lr": server_lr,
+        }.items():
             if value <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {value}")
         self.save_hyperparameters(ignore=["algorithm", "network"])
@@ -188,8 +193,11 @@ class FederatedModule(L.LightningModule):
             {
                 "train/loss": stats[1] / stats[0].clamp(min=1e-12),
                 "train/clients": stats[3],
-                "comm/upload_bytes": float(self.trainer.strategy.reduce(
-                    torch.tensor(float(self.ledger.upload_bytes), device=self.device), reduce_op="sum")),
+                "comm/upload_bytes": float(
+                    self.trainer.strategy.reduce(
+                        torch.tensor(float(self.ledger.upload_bytes), device=self.device), reduce_op="sum"
+                    )
+                ),
                 "comm/download_bytes": float(self.ledger.download_bytes),
                 "round": float(round_idx),
             },
@@ -296,7 +304,8 @@ class FederatedModule(L.LightningModule):
             "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
             "rounds": round_idx + 1,
             "final": last.get(key, float("nan")),
-            "last10": sum(h[key] for h in self.history[-self.eval_last :]) / max(len(self.history[-self.eval_last :]), 1),
+            "last10": sum(h[key] for h in self.history[-self.eval_last :])
+            / max(len(self.history[-self.eval_last :]), 1),
             "wall_s": time.perf_counter() - self._fit_start,
             "metric": key.split("/")[1].replace("_mean", ""),
         }

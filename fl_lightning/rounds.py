@@ -24,9 +24,7 @@ class ClientSampler:
 
     def __init__(self, num_clients: int, clients_per_round: int, seed: int) -> None:
         if not 1 <= clients_per_round <= num_clients:
-            raise ValueError(
-                f"clients_per_round={clients_per_round} must be between 1 and num_clients={num_clients}"
-            )
+            raise ValueError(f"clients_per_round={clients_per_round} must be between 1 and num_clients={num_clients}")
         self.num_clients, self.clients_per_round, self.seed = num_clients, clients_per_round, seed
 
     def sample(self, round_idx: int) -> torch.Tensor:

@@ -123,7 +123,9 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     full = fit(module(), digits(), rounds=6)
     assert len(full.history) == 6
 
-    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="r{step}", auto_insert_metric_name=False)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="r{step}", auto_insert_metric_name=False
+    )
     first = module()
     trainer = make_trainer(6, enable_checkpointing=True, callbacks=[ckpt])
     trainer.fit(first, datamodule=digits())
@@ -161,7 +163,9 @@ def test_aggregation_weights_uniform_vs_num_samples():
 
         def attach_and_observe(fed, module=module, original_attach=original_attach, uploads=uploads):
             original_attach(fed)
-            module.ledger.observers.append(lambda r, c, t: uploads.append((c, {k: v.clone() for k, v in t.items()})))
+            module.ledger.observers.append(
+                lambda r, cid, t: uploads.append((cid, {k: v.clone() for k, v in t.items()}))
+            )
 
         module.attach_data = attach_and_observe
         make_trainer(1).fit(module, datamodule=dm)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from torch import Tensor, nn
+from torch import nn
 
 from fl_lightning.local import ClientContext, Params
 

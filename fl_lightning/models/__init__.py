@@ -1,0 +1,19 @@
+"""Split models (shared body, personal head, optional side-information branch) and the papers' networks."""
+
+from fl_lightning.models.digits import DigitsCNN, DigitsMLP
+from fl_lightning.models.fedrep import CifarCNN, FemnistMLP, Sent140LSTM
+from fl_lightning.models.linear import LinearRepresentation
+from fl_lightning.models.split import Concat, GroupExpand, Mask, SplitModel
+
+__all__ = [
+    "CifarCNN",
+    "Concat",
+    "DigitsCNN",
+    "DigitsMLP",
+    "FemnistMLP",
+    "GroupExpand",
+    "LinearRepresentation",
+    "Mask",
+    "Sent140LSTM",
+    "SplitModel",
+]

@@ -1,0 +1,92 @@
+"""Shared pieces of the reproduction runners: results records, tables, plots, in-process runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def record(
+    experiment: str, method: str, metric: str, value: float, seed: int | None = None, setting: str | None = None
+) -> dict[str, Any]:
+    """One ``results.json`` row."""
+    row: dict[str, Any] = {"experiment": experiment, "method": method, "metric": metric, "value": float(value)}
+    if seed is not None:
+        row["seed"] = int(seed)
+    if setting is not None:
+        row["setting"] = str(setting)
+    return row
+
+
+def write_results(records: list[dict[str, Any]], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(records, indent=1))
+    return path
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v:
+                return "-"
+            return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) or abs(v) >= 1e5 else f"{v:.4f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(str(h)), *(len(c[i]) for c in cells)) if cells else len(str(h)) for i, h in enumerate(headers)]
+    line = "  ".join(str(h).ljust(w) for h, w in zip(headers, widths))
+    return "\n".join([line, "-" * len(line), *("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells)])
+
+
+def bar_chart(
+    path: Path,
+    labels: Sequence[str],
+    values: Sequence[float],
+    ylabel: str,
+    title: str,
+    reference: Sequence[float] | None = None,
+    reference_label: str = "paper",
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels) + 2), 4))
+    xs = range(len(labels))
+    width = 0.4 if reference is not None else 0.7
+    ax.bar([x - (width / 2 if reference is not None else 0) for x in xs], values, width, label="fl_lightning")
+    if reference is not None:
+        ax.bar([x + width / 2 for x in xs], reference, width, label=reference_label, alpha=0.6)
+        ax.legend()
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train_config(configs: Sequence[str], overrides: Sequence[str] = (), run_dir: Path | None = None) -> dict[str, Any]:
+    """Run ``train.py --config A --config B … overrides`` in this process; returns the run summary."""
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from fl_lightning.cli import run
+
+    args: list[str] = []
+    for c in configs:
+        args += ["--config", str(c)]
+    args += ["--trainer.enable_progress_bar", "false"]
+    if run_dir is not None:
+        args += ["--run_dir", str(run_dir)]
+    args += list(overrides)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both args and sys.argv are given
+    try:
+        return run(args)
+    finally:
+        sys.argv = argv
