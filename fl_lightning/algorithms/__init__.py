@@ -1,11 +1,38 @@
 """One algorithm per file; each holds only its math."""
 
+from fl_lightning.algorithms.apfl import APFL
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.ditto import Ditto
 from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.algorithms.fedavg_steps import FedAvgSteps
+from fl_lightning.algorithms.fedmtl import FedMTL
 from fl_lightning.algorithms.fedper import FedPer
+from fl_lightning.algorithms.fedprox import FedProx
 from fl_lightning.algorithms.fedrep import FedRep
+from fl_lightning.algorithms.l2gd import L2GD
 from fl_lightning.algorithms.lg_fedavg import LGFedAvg
+from fl_lightning.algorithms.linear_fedavg import LinearFedAvg
 from fl_lightning.algorithms.linear_fedrep import LinearFedRep
 from fl_lightning.algorithms.local_only import LocalOnly
+from fl_lightning.algorithms.perfedavg import PerFedAvg
+from fl_lightning.algorithms.scaffold import Scaffold
 
-__all__ = ["Algorithm", "ClientUpdate", "FedAvg", "FedPer", "FedRep", "LGFedAvg", "LinearFedRep", "LocalOnly"]
+__all__ = [
+    "APFL",
+    "Ditto",
+    "FedMTL",
+    "FedProx",
+    "L2GD",
+    "PerFedAvg",
+    "Scaffold",
+    "Algorithm",
+    "ClientUpdate",
+    "FedAvg",
+    "FedAvgSteps",
+    "FedPer",
+    "FedRep",
+    "LGFedAvg",
+    "LinearFedAvg",
+    "LinearFedRep",
+    "LocalOnly",
+]

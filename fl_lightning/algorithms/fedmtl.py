@@ -1,0 +1,80 @@
+"""Fed-MTL (Smith et al., 2017) in the form of the LG-FedAvg code base that FedRep cites (spec 000 §2.4, §8.2).
+
+Every client learns its own full model w_i (client bank). The models are tied by the MOCHA-style
+task-relationship regulariser R(W) = s·(‖W‖² + tr(W Ω Wᵀ)), W = [w_1 … w_m] (one column per client),
+Ω = (I − 11ᵀ/m)², with scale s = 10^−f, f = (number of digits of dim W) + 1, as in that code.
+
+Since Ω is the (idempotent) centering matrix, tr(WΩWᵀ) = Σ_j ‖w_j − w̄‖², and with the other columns fixed
+∂R/∂w_j = s·(2w_j + 2(w_j − w̄)). A client therefore needs only w̄: its local objective is
+f_j(w) + s·(‖w‖² + ‖w − w̄‖²) (same gradient, w̄ held fixed), trained for ``local_epochs`` epochs.
+
+Formulation within the engine hooks: the LG-FedAvg code takes the columns of W (and m) from the clients
+sampled this round, at the round's start, which a client cannot see before the round. Here W holds all
+N clients (Ω over the population, whose mean the cohort mean estimates); the server keeps
+w̄ = mean_i w_i exactly as the global model, from uploaded deltas: w̄ ← w̄ + (|S|/N)·mean Δw_i.
+The only upload is Δw_i (what MOCHA also communicates); clients are evaluated with w_i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.scaffold import CohortCounter
+from fl_lightning.local import ClientContext, Params
+
+LOCAL = "w."
+DELTA = "delta_w."
+
+
+def code_scale(dim: int) -> float:
+    """10^−f with f = (digits of ``dim``) + 1: the LG-FedAvg code's scale of the regulariser."""
+    return 10.0 ** -(int(math.log10(dim) + 1) + 1)
+
+
+class FedMTL(CohortCounter, Algorithm):
+    def __init__(self, local_epochs: int = 1, reg_scale: float | None = None) -> None:
+        super().__init__()
+        self.local_epochs, self.reg_scale = local_epochs, reg_scale
+        self.num_clients, self.scale = 0, 0.0
+
+    def setup(self, global_params: Params, num_clients: int) -> None:
+        self.num_clients = num_clients
+        dim = sum(t.numel() for t in global_params.values() if t.is_floating_point())
+        self.scale = code_scale(dim) if self.reg_scale is None else self.reg_scale
+
+    def init_client_state(self, global_params: Params) -> Params:
+        return {LOCAL + n: t for n, t in global_params.items()}
+
+    def upload_template(self, global_params: Params) -> Params:
+        return {DELTA + n: t for n, t in global_params.items() if t.is_floating_point()}
+
+    def download_template(self, global_params: Params) -> Params:
+        return dict(global_params)
+
+    def client_model(self, global_params: Params, state: Params) -> Params:
+        return {n: state[LOCAL + n] for n in global_params}
+
+    def regulariser(self, mean: Params, names: list[str]):
+        def penalty(params: Params) -> Tensor:
+            return self.scale * sum((params[n] ** 2).sum() + ((params[n] - mean[n]) ** 2).sum() for n in names)
+
+        return penalty
+
+    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+        self.count_client()
+        w = self.client_model(global_params, state)
+        mean = {n: global_params[n].detach() for n in ctx.param_names}
+        new = ctx.sgd(w, ctx.param_names, self.local_epochs, penalty=self.regulariser(mean, ctx.param_names))
+        upload = {DELTA + n: new[n] - w[n] for n in global_params if w[n].is_floating_point()}
+        return ClientUpdate(upload, {LOCAL + n: t for n, t in new.items()}, ctx.num_samples, loss=ctx.train_loss)
+
+    @torch.no_grad()
+    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+        cohort = self.take_cohort_size(next(iter(global_params.values())))
+        for n, t in global_params.items():
+            if DELTA + n in averaged_extra:
+                t.add_(averaged_extra[DELTA + n].to(t.dtype), alpha=cohort / self.num_clients)
