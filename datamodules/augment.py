@@ -1,0 +1,65 @@
+"""Batched on-device image augmentation: ``FederatedData.augment(x, generator) -> x``.
+
+The random draws come from the client's CPU ``torch.Generator`` (seeded by (seed, round, client)), so a
+client's augmentations do not depend on the device or on which process runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+
+def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """``(x - mean) / std`` per channel of an ``[N, C, H, W]`` batch."""
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+class CropFlip:
+    """Random crop with ``padding`` pixels of zero padding plus a random horizontal flip (p = 0.5).
+
+    This is torchvision's ``RandomCrop(size, padding)`` + ``RandomHorizontalFlip()`` used by FedRep's CIFAR
+    runs (spec 000 §8.2), done for a whole batch at once. The data are already normalised, so the padding
+    value is the normalised image of a black pixel, ``-mean/std``, as if padding happened before
+    ``Normalize``.
+
+    Args:
+        padding: pixels added on every side before cropping back to the original size.
+        flip: also flip horizontally with probability 0.5.
+        mean, std: the normalisation applied at load time (to compute the padding value).
+    """
+
+    def __init__(
+        self,
+        padding: int = 4,
+        flip: bool = True,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> None:
+        self.padding, self.flip = padding, flip
+        self.fill = None if mean is None else [-m / s for m, s in zip(mean, std)]
+
+    def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        n, c, h, w = x.shape
+        p = self.padding
+        if p > 0:
+            offsets = torch.randint(0, 2 * p + 1, (n, 2), generator=generator).to(x.device)
+            padded = F.pad(x, (p, p, p, p))
+            if self.fill is not None:
+                fill = torch.tensor(self.fill, dtype=x.dtype, device=x.device).view(1, c, 1, 1)
+                border = torch.ones(1, 1, h, w, dtype=x.dtype, device=x.device)
+                border = 1 - F.pad(border, (p, p, p, p))
+                padded = padded + border * fill
+            rows = (offsets[:, 0:1] + torch.arange(h, device=x.device)).view(n, 1, h, 1).expand(n, c, h, w + 2 * p)
+            padded = padded.gather(2, rows)
+            cols = (offsets[:, 1:2] + torch.arange(w, device=x.device)).view(n, 1, 1, w).expand(n, c, h, w)
+            x = padded.gather(3, cols)
+        if self.flip:
+            flips = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
+            x = torch.where(flips, x.flip(-1), x)
+        return x
