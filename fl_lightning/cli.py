@@ -125,17 +125,41 @@ def default_run_dir(cfg: Any) -> Path:
     return Path("runs") / stem
 
 
+def checkpoint_problem(path: Path) -> str | None:
+    """``None`` if ``path`` loads (with ``weights_only=True``), else a short reason."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, bad pickle, wrong file type…
+        return str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    return None
+
+
 def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """``last`` → the newest loadable checkpoint of ``run_dir`` (a corrupt ``last.ckpt`` falls back to the
+    previous round checkpoint, with a warning); an explicit path must exist and load."""
     if ckpt_path is None:
         return None
     if ckpt_path == "last":
-        path = run_dir / "checkpoints" / "last.ckpt"
-        if not path.exists():
-            raise ConfigError(f"--ckpt_path last: no checkpoint at {path} (train once with the same config first)")
-        return str(path)
-    if not Path(ckpt_path).exists():
-        raise ConfigError(f"--ckpt_path: file {ckpt_path} does not exist")
-    return ckpt_path
+        folder = run_dir / "checkpoints"
+        candidates = [folder / "last.ckpt", *sorted(folder.glob("round*.ckpt"), reverse=True)]
+        candidates = [c for c in candidates if c.exists()]
+        if not candidates:
+            raise ConfigError(f"--ckpt_path last: no checkpoint in {folder} (train once with the same config first)")
+        for path in candidates:
+            problem = checkpoint_problem(path)
+            if problem is None:
+                if path != candidates[0]:
+                    print(f"warning: {candidates[0]} is unreadable; resuming from {path}", file=sys.stderr)
+                return str(path)
+        raise ConfigError(f"--ckpt_path last: every checkpoint in {folder} is unreadable ({problem})")
+    path = Path(ckpt_path)
+    if not path.exists():
+        raise ConfigError(f"--ckpt_path: file {path} does not exist")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        others = sorted(p.name for p in path.parent.glob("*.ckpt") if p != path)
+        raise ConfigError(f"checkpoint {path} is truncated or corrupt ({problem}); other checkpoints there: {others}")
+    return str(path)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -238,12 +262,17 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(args: list[str] | None = None) -> int:
+    from fl_lightning.module import TrainingDiverged
+
     torch.set_float32_matmul_precision("high")
     try:
         run(args)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -60,10 +60,11 @@ class ClientContext:
         augment: Callable[[Tensor, torch.Generator], Tensor] | None = None,
         round_idx: int = 0,
         seed: int = 0,
+        step_budget: float = 1.0,
     ) -> None:
         self.net, self.client, self.x, self.y, self.side = net, client, x, y, side
         self.optimizer, self.loss_fn, self.generator, self.augment = optimizer, loss_fn, generator, augment
-        self.round, self.seed = round_idx, seed
+        self.round, self.seed, self.step_budget = round_idx, seed, step_budget
         self.param_names = [n for n, _ in net.named_parameters()]
         self.train_loss = 0.0
 
@@ -125,6 +126,10 @@ class ClientContext:
             momentum=self.optimizer.momentum,
             weight_decay=self.optimizer.weight_decay,
         )
+        if self.step_budget < 1.0:  # a simulated straggler stops early
+            per_epoch = -(-self.num_samples // self.optimizer.batch_size)
+            budget = max(1, int(self.step_budget * epochs * per_epoch))
+            max_steps = budget if max_steps is None else min(max_steps, budget)
         steps, loss_sum = 0, 0.0
         for _ in range(epochs):
             for x, y in self.batches():

@@ -14,8 +14,10 @@ One ``training_step`` is one communication round (manual optimisation):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -30,6 +32,12 @@ from fl_lightning.local import ClientContext, ClientOptimizer, Params, loss_fn_f
 from fl_lightning.metrics import PerClientScores, principal_angle_distance
 from fl_lightning.rounds import make_generator
 from fl_lightning.state import ClientStateBank
+
+log = logging.getLogger("fl_lightning")
+
+
+class TrainingDiverged(RuntimeError):
+    """The global model became NaN/Inf (the last good state is checkpointed)."""
 
 
 @dataclass
@@ -52,6 +60,10 @@ class FederatedModule(L.LightningModule):
         server_lr, server_momentum: the server optimiser (SGD; lr 1 and momentum 0 is FedAvg).
         eval_every: evaluate all clients every this many rounds (and in the last ``eval_last`` rounds).
         finetune: optional "+FT" evaluation at the end of training.
+        client_dropout: simulated faults: probability that a sampled client fails before reporting.
+        stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
+            ``straggler_budget`` of its local SGD steps and reports what it has.
+    Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
     def __init__(
@@ -68,6 +80,9 @@ class FederatedModule(L.LightningModule):
         eval_every: int = 1,
         eval_last: int = 10,
         finetune: FineTune | None = None,
+        client_dropout: float = 0.0,
+        stragglers: float = 0.0,
+        straggler_budget: float = 0.5,
     ) -> None:
         super().__init__()
         for name, value in {
@@ -78,7 +93,15 @@ class FederatedModule(L.LightningModule):
         }.items():
             if value <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {value}")
-        self.save_hyperparameters(ignore=["algorithm", "network"])
+        for name, value in {"client_dropout": client_dropout, "stragglers": stragglers}.items():
+            if not 0 <= value <= 1:
+                raise ConfigError(f"model.{name} is a probability in [0, 1], got {value}")
+        if not 0 < straggler_budget <= 1:
+            raise ConfigError(f"model.straggler_budget is a fraction in (0, 1], got {straggler_budget}")
+        if eval_last < 0 or momentum < 0 or weight_decay < 0:
+            raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
+        self.save_hyperparameters(ignore=["algorithm", "network", "finetune"])
+        self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
         self.client_optimizer = ClientOptimizer(lr, momentum, weight_decay, batch_size)
@@ -128,7 +151,9 @@ class FederatedModule(L.LightningModule):
         return torch.optim.SGD(self.net.parameters(), lr=self.hparams.server_lr, momentum=self.hparams.server_momentum)
 
     # ---- clients -----------------------------------------------------------------------------------------
-    def client_context(self, client: int, round_idx: int, split: str = "train", tag: str = "train") -> ClientContext:
+    def client_context(
+        self, client: int, round_idx: int, split: str = "train", tag: str = "train", step_budget: float = 1.0
+    ) -> ClientContext:
         data = self.fed.train if split == "train" else self.fed.test
         x, y = data.client(client)
         return ClientContext(
@@ -143,13 +168,20 @@ class FederatedModule(L.LightningModule):
             self.fed.augment if split == "train" else None,
             round_idx,
             self.fed.seed,
+            step_budget,
         )
 
-    def run_clients(self, clients: list[int], round_idx: int, glob: Params, states: list[Params]) -> list[ClientUpdate]:
+    def run_clients(
+        self, clients: list[int], round_idx: int, glob: Params, states: list[Params], budgets: list[float]
+    ) -> list[ClientUpdate]:
         """The sequential client executor: one client after the other (the reference path)."""
         return [
-            self.algorithm.client_update(self.client_context(c, round_idx), glob, st) for c, st in zip(clients, states)
+            self.algorithm.client_update(self.client_context(c, round_idx, step_budget=b), glob, st)
+            for c, st, b in zip(clients, states, budgets)
         ]
+
+    def _coin(self, tag: str, round_idx: int, client: int) -> float:
+        return float(torch.rand(1, generator=make_generator(self.fed.seed, tag, round_idx, client)))
 
     # ---- one round ---------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -164,30 +196,61 @@ class FederatedModule(L.LightningModule):
 
         self.ledger.new_round()
         self.ledger.download(self.algorithm.download_template(glob), len(cohort))
+        failed = {
+            j
+            for j in mine
+            if self.client_dropout and self._coin("dropout", round_idx, int(cohort[j])) < self.client_dropout
+        }
+        slow = {
+            j for j in mine if self.stragglers and self._coin("straggler", round_idx, int(cohort[j])) < self.stragglers
+        }
+        active = [j for j in mine if j not in failed]
         updates = self.run_clients(
-            [int(cohort[j]) for j in mine], round_idx, glob, [{n: v[j] for n, v in cohort_states.items()} for j in mine]
+            [int(cohort[j]) for j in active],
+            round_idx,
+            glob,
+            [{n: v[j] for n, v in cohort_states.items()} for j in active],
+            [self.straggler_budget if j in slow else 1.0 for j in active],
         )
 
         sums = {n: torch.zeros_like(t) for n, t in template.items()}
         new_rows = {n: torch.zeros_like(v) for n, v in cohort_states.items()}
-        stats = torch.zeros(4, dtype=torch.float64, device=self.device)  # weight, loss*weight, samples, clients
-        for j, upd in zip(mine, updates):
-            self.ledger.upload(round_idx, int(cohort[j]), upd.upload)
+        for j in mine:  # clients that fail keep their state
+            for n in new_rows:
+                new_rows[n][j] = cohort_states[n][j]
+        # weight, loss·weight, samples, survivors, dropped, non-finite, stragglers
+        stats = torch.zeros(7, dtype=torch.float64, device=self.device)
+        stats[4], stats[6] = len(failed), len(slow - failed)
+        for j, upd in zip(active, updates):
+            client = int(cohort[j])
+            self.ledger.upload(round_idx, client, upd.upload)
             if set(upd.upload) != set(template):
                 raise RuntimeError(f"{type(self.algorithm).__name__} uploaded {sorted(upd.upload)}, not its template")
+            if not all(torch.isfinite(v).all() for v in (*upd.upload.values(), *upd.state.values())):
+                log.warning("round %d: client %d sent a non-finite update; it is dropped", round_idx, client)
+                stats[5] += 1
+                continue
             w = float(upd.num_samples) if self.aggregation == "num_samples" else 1.0
             for n, v in upd.upload.items():
                 sums[n] += w * (v - glob[n]) if n in glob else w * v
             for n in new_rows:
                 new_rows[n][j] = upd.state[n]
-            stats += torch.tensor([w, w * upd.loss, upd.num_samples, 1.0], dtype=torch.float64, device=self.device)
+            stats[:4] += torch.tensor([w, w * upd.loss, upd.num_samples, 1.0], dtype=torch.float64, device=self.device)
 
         flat = torch.cat([t.reshape(-1).double() for t in (*sums.values(), *new_rows.values())] + [stats])
         flat = self.trainer.strategy.reduce(flat, reduce_op="sum")
         sums, new_rows, stats = self._unflatten(flat, sums, new_rows)
         if new_rows:
             self.bank.scatter(cohort, new_rows)
+        if stats[3] == 0:
+            log.warning(
+                "round %d: no client survived (%d failed); the global model is unchanged", round_idx, len(cohort)
+            )
+        backup = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         self._server_step(glob, sums, stats[0], round_idx)
+        self._check_finite(backup, round_idx)
+        if self.client_dropout or self.stragglers or stats[5]:
+            self.log_dict({"faults/dropped": stats[4], "faults/non_finite": stats[5], "faults/stragglers": stats[6]})
 
         self.log_dict(
             {
@@ -208,6 +271,19 @@ class FederatedModule(L.LightningModule):
             self.evaluate_and_log(round_idx)
         if round_idx == last_round:
             self.final_evaluation(round_idx)
+
+    def _check_finite(self, backup: Params, round_idx: int) -> None:
+        """Stop with a one-line error if the global model turned non-finite, after saving the last good state."""
+        if all(torch.isfinite(p).all() for p in self.net.parameters()):
+            return
+        with torch.no_grad():
+            for n, p in self.net.named_parameters():
+                p.copy_(backup[n])
+        path = Path(self.trainer.default_root_dir) / "checkpoints" / f"last_good_round{round_idx:05d}.ckpt"
+        self.trainer.save_checkpoint(str(path))
+        raise TrainingDiverged(
+            f"round {round_idx}: the global model became non-finite; the state before this round is saved at {path}"
+        )
 
     @staticmethod
     def _unflatten(flat: Tensor, *groups: dict[str, Tensor]) -> tuple[Any, ...]:
