@@ -11,6 +11,9 @@ for natural datasets, each sample's owner). :class:`PartitionedDataModule` then
 4. exposes the training federation as ``self.federated`` and the new clients (held-out or transfer) as
    ``self.new_clients`` — a second :class:`FederatedData` with the same ``augment``, or ``None``.
 
+For natural datasets ``self.group_names`` lists the owners (LEAF users, alphabets),
+``self.client_groups`` the owner of every client, and ``federated.extras["group"]`` its owner id.
+
 When a trainer with loggers runs ``setup``, the partition report (hash, per-client counts, class
 histograms, a clients × classes PNG) is written to ``<run dir>/partition/`` and logged.
 """
@@ -105,7 +108,8 @@ class PartitionedDataModule(FederatedDataModule):
         self.transfer_partition = transfer_partition
         self.write_report = write_report
         self.new_clients: FederatedData | None = None
-        self.class_names: list[str] | None = None
+        self.group_names: list[str] | None = None
+        self.client_groups: list[str] | None = None
         self._reported = False
 
     # ---- to implement ----------------------------------------------------------------------------------
@@ -134,6 +138,13 @@ class PartitionedDataModule(FederatedDataModule):
             pools.g_train, pools.g_test,
         )  # fmt: skip
         x_tr, y_tr, train_sets, x_te, y_te, test_sets = parts
+        self.group_names = pools.group_names
+        owners = None
+        if pools.g_train is not None:  # each client's natural owner: the owner of its first training sample
+            g_pool = pools.g_train
+            if self.partition.pooled and pools.g_test is not None:
+                g_pool = torch.cat([pools.g_train, pools.g_test])
+            owners = torch.tensor([int(g_pool[s[0]]) if len(s) else -1 for s in train_sets], dtype=torch.long)
         if self.holdout_clients:
             order = self.rng(2).permutation(total)
             stay, leave = np.sort(order[: self.num_clients]), np.sort(order[self.num_clients :])
@@ -142,6 +153,7 @@ class PartitionedDataModule(FederatedDataModule):
                 pools.augment, "held-out",
             )  # fmt: skip
             train_sets, test_sets = [train_sets[i] for i in stay], [test_sets[i] for i in stay]
+            owners = None if owners is None else owners[torch.as_tensor(stay)]
         if new_pools is not None:
             partition = self.transfer_partition or Shards(len(self.transfer_classes))
             nx_tr, ny_tr, ntr, nx_te, ny_te, nte = partition_pools(
@@ -149,7 +161,11 @@ class PartitionedDataModule(FederatedDataModule):
                 self.transfer_clients, self.rng(3), new_pools.g_train, new_pools.g_test,
             )  # fmt: skip
             self.new_clients = self._federated(nx_tr, ny_tr, ntr, nx_te, ny_te, nte, num_classes, pools.augment, "new")
-        return self._federated(x_tr, y_tr, train_sets, x_te, y_te, test_sets, num_classes, pools.augment, "")
+        fed = self._federated(x_tr, y_tr, train_sets, x_te, y_te, test_sets, num_classes, pools.augment, "")
+        if owners is not None:
+            fed.extras["group"] = owners
+            self.client_groups = [self.group_names[int(g)] if self.group_names else str(int(g)) for g in owners]
+        return fed
 
     def _federated(self, x_tr, y_tr, tr, x_te, y_te, te, num_classes, augment, what) -> FederatedData:
         try:

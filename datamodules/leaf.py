@@ -150,6 +150,8 @@ class FEMNISTDataModule(LeafDataModule):
             except ValueError:
                 lengths = sorted({len(v) for v in xs})
                 raise ConfigError(f"{file}: user {user!r} has images of lengths {lengths}, expected 784") from None
+            if x.size == 0:
+                x = x.reshape(0, 784)
             if x.ndim != 2 or x.shape[1] != 784:
                 raise ConfigError(f"{file}: user {user!r} images have shape {list(x.shape)}, expected [N, 784]")
             return torch.from_numpy(x).view(-1, 1, 28, 28), _labels(ys, 62, user, file)

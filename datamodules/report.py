@@ -218,7 +218,8 @@ def parse(argv: list[str]) -> tuple[FederatedDataModule, Path | None, list[str]]
     parser.add_subclass_arguments(FederatedDataModule, "data", required=True)
     try:
         cfg = parser.parse_args(["--data", json.dumps(merged.get("data", {})), *overrides])
-        dm = parser.instantiate_classes(cfg).data
+        instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+        dm = instantiate(cfg).data
     except Exception as exc:
         from fl_lightning.cli import _one_line
 

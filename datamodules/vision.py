@@ -373,13 +373,9 @@ class OmniglotDataModule(PartitionedDataModule):
         if not (root / "images_background").is_dir() or not (root / "images_evaluation").is_dir():
             raise _missing("Omniglot", root, "folders images_background/ and images_evaluation/ of alphabet folders")
         x, y, g, names = read_omniglot(root, self.image_size, self.invert)
-        self.group_names = names
-        self.alphabet_of_class = torch.zeros(int(y.max()) + 1, dtype=torch.long).index_copy_(0, y, g)
         return Pools(x, y, x[:0], y[:0], int(y.max()) + 1, g, g[:0], names)
 
     def build(self) -> FederatedData:
         fed = super().build()
-        # a Natural partition keeps every client inside one alphabet: read it off the client's first sample
-        first = fed.train.y[fed.train.ptr[:-1].clamp(max=max(fed.train.y.numel() - 1, 0))]
-        fed.extras["alphabet"] = self.alphabet_of_class[first]
+        fed.extras["alphabet"] = fed.extras["group"]
         return fed

@@ -1,0 +1,300 @@
+"""Dataset loaders on files written in their real on-disk formats, through the public DataModules."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from data_fixtures import (  # noqa: E402
+    write_cifar10,
+    write_cifar100,
+    write_emnist,
+    write_femnist,
+    write_hf,
+    write_idx,
+    write_leaf,
+    write_mnist,
+    write_omniglot,
+    write_sent140,
+    write_shakespeare,
+)
+
+from datamodules import (  # noqa: E402
+    CIFAR10DataModule,
+    CIFAR100DataModule,
+    EMNISTDataModule,
+    FEMNISTDataModule,
+    HFDataModule,
+    MNISTDataModule,
+    Natural,
+    OmniglotDataModule,
+    PerClientSplit,
+    Sent140DataModule,
+    ShakespeareDataModule,
+    Shards,
+)
+from fl_lightning.errors import ConfigError  # noqa: E402
+
+
+def built(dm):
+    dm.setup("fit")
+    return dm.federated
+
+
+def row_keys(x: torch.Tensor) -> list[bytes]:
+    """Samples as sortable byte strings (to compare multisets of samples independently of order)."""
+    return sorted(r.numpy().tobytes() for r in x.reshape(len(x), -1).float().round(decimals=4))
+
+
+# ---- CIFAR ----------------------------------------------------------------------------------------------
+def test_cifar10_reads_pickles_normalises_and_shards(tmp_path):
+    write_cifar10(tmp_path, train_per_class=10, test_per_class=4)
+    fed = built(CIFAR10DataModule(num_clients=10, partition=Shards(2), data_dir=str(tmp_path), seed=0))
+    # independent reading of the pickles
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    raw = [pickle.loads((tmp_path / "cifar-10-batches-py" / f"data_batch_{i}").read_bytes()) for i in range(1, 6)]
+    x = np.concatenate([r["data"] for r in raw]).reshape(-1, 3, 32, 32) / 255.0
+    x = (x - mean.reshape(1, 3, 1, 1)) / std.reshape(1, 3, 1, 1)
+    assert row_keys(fed.train.x) == row_keys(torch.tensor(x, dtype=torch.float32))
+    assert fed.num_classes == 10 and fed.train.x.shape[1:] == (3, 32, 32)
+    # 10 clients × 2 shards = 20 shards: 2 per class of 5 images; test shards 2 per class of 2 images
+    assert fed.train.sizes.tolist() == [10] * 10 and fed.test.sizes.tolist() == [4] * 10
+    for c in range(10):
+        tr, te = set(fed.train.client(c)[1].tolist()), set(fed.test.client(c)[1].tolist())
+        assert len(tr) == 2 and tr == te
+    assert fed.augment is not None
+
+
+def test_cifar100_fine_labels_and_class_disjoint_transfer(tmp_path):
+    write_cifar100(tmp_path, train_per_class=4, test_per_class=2)
+    dm = CIFAR100DataModule(
+        num_clients=8, partition=Shards(10), data_dir=str(tmp_path), transfer_classes=list(range(80, 100)),
+        transfer_clients=2, seed=0,
+    )  # fmt: skip
+    fed = built(dm)
+    blob = pickle.loads((tmp_path / "cifar-100-python" / "train").read_bytes())
+    fine = np.asarray(blob["fine_labels"])
+    assert fed.train.y.max() < 80 and fed.train.x.shape[0] == int((fine < 80).sum())
+    new = dm.new_clients
+    assert new is not None and new.num_clients == 2
+    # every new client has all 20 new classes (relabelled 0..19) in equal numbers: 4 images / 2 clients
+    for c in range(2):
+        counts = torch.bincount(new.train.client(c)[1], minlength=20)
+        assert counts.tolist() == [2] * 20
+    assert new.train.x.shape[0] == int((fine >= 80).sum())
+    assert not set(row_keys(new.train.x)) & set(row_keys(fed.train.x))
+
+
+# ---- MNIST / EMNIST -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_idx(tmp_path, gz):
+    write_mnist(tmp_path, train_per_class=6, test_per_class=2, gz=gz)
+    dm = MNISTDataModule(num_clients=5, partition=Shards(2), data_dir=str(tmp_path), holdout_clients=5, seed=0)
+    fed = built(dm)
+    raw = tmp_path / "MNIST" / "raw" / ("train-images-idx3-ubyte" + (".gz" if gz else ""))
+    data = __import__("gzip").decompress(raw.read_bytes()) if gz else raw.read_bytes()
+    assert data[:4] == bytes([0, 0, 8, 3])
+    images = np.frombuffer(data[16:], np.uint8).reshape(-1, 1, 28, 28) / 255.0
+    all_x = torch.cat([fed.train.x, dm.new_clients.train.x])
+    assert row_keys(all_x) == row_keys(torch.tensor(images, dtype=torch.float32))
+    # held-out clients: same partition (2 classes each), disjoint from the federation
+    assert dm.new_clients.num_clients == 5 and fed.num_clients == 5
+    assert all(len(set(dm.new_clients.train.client(c)[1].tolist())) == 2 for c in range(5))
+
+
+def test_emnist_letters_labels_and_orientation(tmp_path):
+    write_emnist(tmp_path, "letters", train_per_class=2, test_per_class=1)
+    fed = built(EMNISTDataModule(num_clients=2, partition=Shards(26), split="letters", data_dir=str(tmp_path)))
+    assert fed.num_classes == 26 and int(fed.train.y.min()) == 0 and int(fed.train.y.max()) == 25
+    raw = tmp_path / "EMNIST" / "raw"
+    imgs = np.frombuffer((raw / "emnist-letters-train-images-idx3-ubyte").read_bytes()[16:], np.uint8)
+    labels = np.frombuffer((raw / "emnist-letters-train-labels-idx1-ubyte").read_bytes()[8:], np.uint8)
+    upright = imgs.reshape(-1, 28, 28).transpose(0, 2, 1)[:, None] / 255.0
+    assert row_keys(fed.train.x) == row_keys(torch.tensor(upright, dtype=torch.float32))
+    assert sorted(fed.train.y.tolist()) == sorted((labels - 1).tolist())
+
+
+# ---- Omniglot -------------------------------------------------------------------------------------------
+def test_omniglot_alphabets_are_clients(tmp_path):
+    write_omniglot(tmp_path, {"Alpha": 3, "Beta": 2}, {"Gamma": 2}, drawings=20)
+    dm = OmniglotDataModule(num_clients=3, data_dir=str(tmp_path), seed=0)
+    fed = built(dm)
+    assert fed.num_classes == 7 and fed.train.x.shape[1:] == (1, 28, 28)
+    alphabet_chars = {0: {0, 1, 2}, 1: {3, 4}, 2: {5, 6}}  # background sorted (Alpha, Beta), then evaluation
+    assert dm.group_names == ["background/Alpha", "background/Beta", "evaluation/Gamma"]
+    for c in range(3):
+        y_tr, y_te = fed.train.client(c)[1], fed.test.client(c)[1]
+        chars = alphabet_chars[int(fed.extras["alphabet"][c])]
+        assert set(y_tr.tolist()) == chars == set(y_te.tolist())
+        assert torch.bincount(y_tr)[sorted(chars)].tolist() == [16] * len(chars)  # 80/20 of 20 drawings
+        assert torch.bincount(y_te)[sorted(chars)].tolist() == [4] * len(chars)
+    # strokes (black squares in the PNGs) become 1 after inversion
+    assert fed.train.x.max() == 1.0 and fed.train.x.min() == 0.0
+    # M = 10 clients per alphabet → 2 drawings per character per client: 1 train + 1 test
+    fed10 = built(OmniglotDataModule(num_clients=30, data_dir=str(tmp_path), seed=0))
+    assert fed10.train.sizes.sum() == 7 * 10 and fed10.test.sizes.sum() == 7 * 10
+
+
+# ---- LEAF -----------------------------------------------------------------------------------------------
+def leaf_users(root: Path, split: str) -> dict[str, dict]:
+    out = {}
+    for f in sorted((root / split).glob("*.json")):
+        out.update(json.loads(f.read_text())["user_data"])
+    return out
+
+
+def test_femnist_natural_keeps_users_intact(tmp_path):
+    write_femnist(tmp_path, users=6)
+    fed = built(FEMNISTDataModule(num_clients=6, partition=Natural(), data_dir=str(tmp_path)))
+    train, test = leaf_users(tmp_path, "train"), leaf_users(tmp_path, "test")
+    for c, user in enumerate(sorted(train)):  # all users kept, in id order
+        x, y = fed.train.client(c)
+        assert y.tolist() == train[user]["y"]
+        assert torch.allclose(x.view(len(y), -1), torch.tensor(train[user]["x"], dtype=torch.float32))
+        assert fed.test.client(c)[1].tolist() == test[user]["y"]
+
+
+def test_sent140_min_samples_tokenizer_and_glove(tmp_path):
+    write_sent140(tmp_path, users=8, per_user=(6, 16))
+    train, test = leaf_users(tmp_path, "train"), leaf_users(tmp_path, "test")
+    sizes = {u: len(train[u]["y"]) + len(test[u]["y"]) for u in train}
+    eligible = sorted(u for u, n in sizes.items() if n >= 10)
+    glove = tmp_path / "glove.txt"
+    glove.write_text("good 1 2 3\nbad -1 -2 -3\nunrelated 9 9 9\n")
+    dm = Sent140DataModule(
+        num_clients=len(eligible) - 1, partition=Natural(min_samples=10), data_dir=str(tmp_path), vocab_size=50,
+        glove_path=str(glove), seed=0,
+    )  # fmt: skip
+    fed = built(dm)
+    assert fed.train.x.shape[1] == 25 and fed.train.x.dtype == torch.long and fed.num_classes == 2
+    got = {int(s) for s in (fed.train.sizes + fed.test.sizes)}
+    assert got <= {sizes[u] for u in eligible}  # only users with ≥ 10 tweets, each kept whole
+    vocab = dm.tokenizer.get_vocab()
+    assert vocab["[PAD]"] == 0 and vocab["[UNK]"] == 1
+    first_user = sorted(train)[0]
+    text = train[first_user]["x"][0][4]
+    ids = dm.tokenizer.encode(text).ids
+    assert ids[: len(text.split())][:3] == [vocab.get(w.lower(), 1) for w in text.split()][:3]
+    emb = fed.extras["embedding"]
+    assert emb.shape == (50, 3)
+    assert emb[vocab["good"]].tolist() == [1, 2, 3] and emb[vocab["bad"]].tolist() == [-1, -2, -3]
+    assert emb[0].abs().sum() == 0
+
+
+def test_shakespeare_next_character(tmp_path):
+    write_shakespeare(tmp_path, users=4)
+    dm = ShakespeareDataModule(num_clients=4, data_dir=str(tmp_path))
+    fed = built(dm)
+    train = leaf_users(tmp_path, "train")
+    chars = sorted(set("".join(s for u in train.values() for s in (*u["x"], *u["y"]))))
+    assert fed.num_classes == len(chars) + 1
+    x, y = fed.train.client(0)
+    first = train[sorted(train)[0]]
+    decode = {i + 1: ch for i, ch in enumerate(chars)}
+    assert "".join(decode[int(i)] for i in x[0]) == first["x"][0]
+    assert decode[int(y[0])] == first["y"][0]
+
+
+# ---- Hugging Face ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["save_to_disk", "parquet"])
+def test_hf_local_directory(tmp_path, fmt):
+    import datasets
+
+    path = write_hf(tmp_path / "hf", fmt)
+    dm = HFDataModule(
+        path=str(path), num_clients=4, partition=Natural(), group_column="writer", cache_dir=str(tmp_path / "cache")
+    )
+    fed = built(dm)
+    if fmt == "parquet":
+        ref_train = datasets.Dataset.from_parquet(str(path / "train-00000-of-00001.parquet"))
+    else:
+        ref_train = datasets.load_from_disk(str(path))["train"]
+    ref_train = ref_train.cast_column("image", datasets.Image())
+    imgs = np.stack([np.asarray(im) for im in ref_train["image"]])[:, None] / 255.0
+    assert row_keys(fed.train.x) == row_keys(torch.tensor(imgs, dtype=torch.float32))
+    assert fed.num_classes == 4
+    writers = np.asarray(ref_train["writer"])
+    assert sorted(dm.client_groups) == sorted(set(writers))
+    for c, w in enumerate(dm.client_groups):  # natural clients = writers, whole
+        assert fed.train.sizes[c] == int((writers == w).sum())
+    pooled = built(HFDataModule(path=str(path), num_clients=4, partition=PerClientSplit(Shards(2), 0.25),
+                                test_split=None, cache_dir=str(tmp_path / "cache")))  # fmt: skip
+    assert pooled.train.sizes.sum() + pooled.test.sizes.sum() == 40
+
+
+# ---- bad data: one-line errors that name the file -------------------------------------------------------
+def one_line_error(dm, *fragments: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        dm.setup("fit")
+    msg = str(info.value)
+    assert "\n" not in msg
+    for f in fragments:
+        assert f in msg, msg
+    return msg
+
+
+def test_bad_cifar_files(tmp_path):
+    write_cifar10(tmp_path)
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    good = batch.read_bytes()
+    batch.write_bytes(good[: len(good) // 2])
+    one_line_error(CIFAR10DataModule(num_clients=5, data_dir=str(tmp_path)), "data_batch_3", "truncated")
+    blob = pickle.loads(good)
+    batch.write_bytes(pickle.dumps({**blob, "data": blob["data"][:, :3000]}))
+    one_line_error(CIFAR10DataModule(num_clients=5, data_dir=str(tmp_path)), "data_batch_3", "shape", "3072")
+    blob["labels"][0] = 10
+    batch.write_bytes(pickle.dumps(blob))
+    one_line_error(CIFAR10DataModule(num_clients=5, data_dir=str(tmp_path)), "data_batch_3", "label 10 out of range")
+    one_line_error(CIFAR10DataModule(num_clients=5, data_dir=str(tmp_path / "nowhere")), "download: true", "nowhere")
+
+
+def test_bad_idx_files(tmp_path):
+    write_mnist(tmp_path)
+    path = tmp_path / "MNIST" / "raw" / "t10k-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-7])
+    one_line_error(MNISTDataModule(num_clients=5, data_dir=str(tmp_path)), "t10k-images-idx3-ubyte", "truncated")
+    write_idx(path, np.zeros((20, 27, 28)))
+    one_line_error(MNISTDataModule(num_clients=5, data_dir=str(tmp_path)), "t10k-images-idx3-ubyte", "shape")
+    write_mnist(tmp_path)
+    write_idx(tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte", np.full(60, 11))
+    one_line_error(MNISTDataModule(num_clients=5, data_dir=str(tmp_path)), "train-labels-idx1-ubyte", "out of range")
+
+
+def test_bad_leaf_files(tmp_path):
+    write_femnist(tmp_path, users=4)
+    f = sorted((tmp_path / "train").glob("*.json"))[0]
+    text = f.read_text()
+    f.write_text(text[: len(text) // 2])
+    one_line_error(FEMNISTDataModule(num_clients=4, data_dir=str(tmp_path)), f.name, "truncated")
+    blob = json.loads(text)
+    user = blob["users"][0]
+    blob["user_data"][user]["x"][0] = blob["user_data"][user]["x"][0][:700]
+    f.write_text(json.dumps(blob))
+    one_line_error(FEMNIST := FEMNISTDataModule(num_clients=4, data_dir=str(tmp_path)), f.name, user, "784")
+    assert FEMNIST.federated is None
+    blob = json.loads(text)
+    blob["user_data"][user]["y"][0] = 70
+    f.write_text(json.dumps(blob))
+    one_line_error(FEMNISTDataModule(num_clients=4, data_dir=str(tmp_path)), f.name, "label 70 out of range")
+
+
+def test_empty_client_after_filtering(tmp_path):
+    train = {"a": ([[0.0] * 784] * 5, [36] * 5), "b": ([[0.0] * 784] * 5, [1] * 5), "c": ([[0.0] * 784] * 2, [37] * 2)}
+    test = {"a": ([[0.0] * 784], [36]), "b": ([[0.0] * 784], [1]), "c": ([[0.0] * 784] * 3, [37] * 3)}
+    write_leaf(tmp_path, train, test)
+    # user b has no letters left after keeping classes 36-45; with min_samples 4 only a and c qualify
+    msg = one_line_error(
+        FEMNISTDataModule(num_clients=3, data_dir=str(tmp_path), classes=list(range(36, 46)),
+                          partition=Natural(min_samples=4)), "only 2 owners have ≥ 4 samples",
+    )  # fmt: skip
+    assert "num_clients=3" in msg
+    # a client whose user has test samples only: an empty training client
+    write_leaf(tmp_path, {"a": train["a"], "c": ([], [])}, {"a": test["a"], "c": test["c"]})
+    one_line_error(FEMNISTDataModule(num_clients=2, data_dir=str(tmp_path)), "no training samples", "[1]")
