@@ -60,17 +60,17 @@ class ClientOneHot(SideInfo):
         return torch.eye(fed.num_clients)
 
 
-def sample_groups(fed: FederatedData) -> Tensor:
-    """The group label of every training row: ``extras["class_group"][y]`` (class → group, e.g. character →
-    alphabet) or ``extras["client_group"][client]`` (client → group)."""
-    if "class_group" in fed.extras:
-        return fed.extras["class_group"].long().to(fed.train.y.device)[fed.train.y]
-    if "client_group" in fed.extras:
-        return fed.extras["client_group"].long()[fed.train.client_ids()]
-    raise ConfigError(
-        "ClientEmbedding needs a group label: the datamodule must put extras['class_group'] (class → group, "
-        "e.g. Omniglot character → alphabet) or extras['client_group'] (client → group)"
-    )
+def client_groups(fed: FederatedData, key: str) -> Tensor:
+    """``fed.extras[key]``: the group of every client (Omniglot: ``"alphabet"``), as ``[num_clients]`` longs."""
+    if key not in fed.extras:
+        raise ConfigError(
+            f"ClientEmbedding(group={key!r}) needs extras[{key!r}] (each client's group, e.g. Omniglot's alphabet); "
+            f"this datamodule provides {sorted(fed.extras) or 'no extras'}"
+        )
+    groups = fed.extras[key].long()
+    if groups.shape != (fed.num_clients,):
+        raise ConfigError(f"extras[{key!r}] has shape {tuple(groups.shape)}, expected [{fed.num_clients}]")
+    return groups
 
 
 class ClientEmbedding(SideInfo):
@@ -78,6 +78,8 @@ class ClientEmbedding(SideInfo):
     samples to predict their group, then ``z_m`` = mean of ``network.body(x)`` over client m's training images.
 
     Args:
+        group: the ``extras`` entry with each client's group; its samples are labelled with it (Omniglot:
+            ``alphabet``, a 50-way classifier; every client holds one alphabet).
         network: a ``SplitModel`` whose head outputs one logit per group; ``None`` builds
             ``ConvNet4(num_groups, channels, image size, width)`` (256-d embedding for 1×32×32 and width 64).
         epochs, lr, momentum, batch_size: the central SGD (the paper does not give them; our choice).
@@ -88,6 +90,7 @@ class ClientEmbedding(SideInfo):
 
     def __init__(
         self,
+        group: str = "alphabet",
         network: SplitModel | None = None,
         epochs: int = 5,
         lr: float = 0.05,
@@ -99,9 +102,10 @@ class ClientEmbedding(SideInfo):
     ) -> None:
         if epochs < 0 or lr <= 0 or batch_size < 1:
             raise ConfigError("ClientEmbedding needs epochs ≥ 0, lr > 0 and batch_size ≥ 1")
-        self.network, self.epochs, self.lr, self.momentum = network, epochs, lr, momentum
+        self.group, self.network, self.epochs, self.lr, self.momentum = group, network, epochs, lr, momentum
         self.batch_size, self.width, self.normalize, self.eval_mode = batch_size, width, normalize, eval_mode
         self.train_accuracy = float("nan")
+        self.trained_network: SplitModel | None = None
 
     def build_network(self, fed: FederatedData, num_groups: int) -> SplitModel:
         if self.network is not None:
@@ -112,7 +116,8 @@ class ClientEmbedding(SideInfo):
         return ConvNet4(num_groups, in_channels=x.shape[1], image_size=x.shape[-1], width=self.width)
 
     def __call__(self, fed, rng):
-        x, labels = fed.train.x, sample_groups(fed)
+        x, owners = fed.train.x, fed.train.client_ids()
+        labels = client_groups(fed, self.group).to(owners.device)[owners]
         seed = int(rng.integers(2**62))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -128,10 +133,10 @@ class ClientEmbedding(SideInfo):
                 F.cross_entropy(net(x[idx]), labels[idx]).backward()
                 opt.step()
         net.train(not self.eval_mode)
+        self.trained_network = net
         with torch.no_grad():
             emb = torch.cat([net.body(x[i : i + 1024]) for i in range(0, x.shape[0], 1024)]).flatten(1)
             self.train_accuracy = float((net.head(emb).argmax(-1) == labels).float().mean())
-        owners = fed.train.client_ids()
         z = torch.zeros(fed.num_clients, emb.shape[1], device=emb.device).index_add_(0, owners, emb)
         z = z / fed.train.sizes.clamp(min=1).unsqueeze(1).to(z)
         return F.normalize(z, dim=1) if self.normalize else z
