@@ -263,9 +263,10 @@ class LogNormal(Partitioner):
 
     Recipe (our exact version of the FedDANE/FedRep sampler): client i holds the S = ``classes_per_client``
     classes ``(i + j) mod C``, j < S. Its total size is ``min_samples + e_i`` with
-    ``e_i ∝ X_i``, ``X_i ~ LogNormal(mu, sigma)``, rescaled so that Σ e_i = n·(``mean_samples`` − ``min_samples``)
-    (largest-remainder rounding). So the mean is exactly ``mean_samples`` (when n·mean is an integer), the
-    minimum is at least ``min_samples``, and the skew is that of lognormal(4, 1). A client's samples are
+    ``e_i ∝ X_i − min_j X_j``, ``X_i ~ LogNormal(mu, sigma)``, rescaled so that
+    Σ e_i = n·(``mean_samples`` − ``min_samples``) (largest-remainder rounding). So the mean is exactly
+    ``mean_samples`` (when n·mean is an integer), the smallest client has exactly ``min_samples``, and the
+    skew is that of lognormal(4, 1). A client's samples are
     split evenly over its S classes and drawn without replacement; then ``test_fraction`` of them (FedRep:
     10 %) become its test set. The dataset's own train/test files are merged first (``pooled``).
     """
@@ -294,6 +295,9 @@ class LogNormal(Partitioner):
     def sizes(self, num_clients: int, rng: np.random.Generator) -> np.ndarray:
         """Per-client total sample counts (before the train/test cut)."""
         x = rng.lognormal(self.mu, self.sigma, num_clients)
+        x = x - x.min()  # the smallest client sits exactly at min_samples
+        if x.sum() == 0:
+            x = np.ones(num_clients)
         extra_total = int(round(num_clients * (self.mean_samples - self.min_samples)))
         raw = x / x.sum() * extra_total
         extra = np.floor(raw).astype(np.int64)
