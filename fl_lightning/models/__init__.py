@@ -3,7 +3,9 @@
 from fl_lightning.models.digits import DigitsCNN, DigitsMLP
 from fl_lightning.models.fedrep import CifarCNN, FemnistMLP, Sent140LSTM
 from fl_lightning.models.linear import LinearRepresentation
+from fl_lightning.models.perfedsi import ConvNet4, PerFedSIConcat, PerFedSIMask
 from fl_lightning.models.split import Concat, GroupExpand, Mask, SplitModel
+from fl_lightning.models.transfer import TransferCNN
 
 __all__ = [
     "CifarCNN",
@@ -14,6 +16,10 @@ __all__ = [
     "GroupExpand",
     "LinearRepresentation",
     "Mask",
+    "ConvNet4",
+    "PerFedSIConcat",
+    "PerFedSIMask",
     "Sent140LSTM",
     "SplitModel",
+    "TransferCNN",
 ]
