@@ -28,6 +28,9 @@ lint: $(STAMP)
 reproduce-digits: $(STAMP)
 	$(PY) -m fl_lightning.reproduce digits
 
+reproduce-table1-digits: $(STAMP)
+	$(PY) -m fl_lightning.reproduce table1 --dataset digits
+
 reproduce: reproduce-digits
 
 clean:
