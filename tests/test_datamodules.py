@@ -298,3 +298,23 @@ def test_empty_client_after_filtering(tmp_path):
     # a client whose user has test samples only: an empty training client
     write_leaf(tmp_path, {"a": train["a"], "c": ([], [])}, {"a": test["a"], "c": test["c"]})
     one_line_error(FEMNISTDataModule(num_clients=2, data_dir=str(tmp_path)), "no training samples", "[1]")
+
+
+def test_sent140_glove_initialises_the_network_embedding(tmp_path):
+    from conftest import fit
+
+    from fl_lightning.algorithms import FedAvg
+    from fl_lightning.models import Sent140LSTM
+    from fl_lightning.module import FederatedModule
+
+    write_sent140(tmp_path, users=4, per_user=(6, 10))
+    glove = tmp_path / "glove.txt"
+    glove.write_text("good 1 2 3\nbad -1 -2 -3\n")
+    dm = Sent140DataModule(num_clients=4, partition=Natural(), data_dir=str(tmp_path), vocab_size=40,
+                           glove_path=str(glove), participation=1.0, seed=0)  # fmt: skip
+    module = FederatedModule(FedAvg(), Sent140LSTM(vocab_size=40, embed_dim=3, hidden=4, fc=4), lr=1e-9)
+    fit(module, dm, rounds=1)
+    weight = module.net.body.embedding.weight.detach()
+    vocab = dm.tokenizer.get_vocab()
+    assert torch.allclose(weight[vocab["good"]], torch.tensor([1.0, 2.0, 3.0]), atol=1e-6)
+    assert torch.allclose(weight[vocab["bad"]], torch.tensor([-1.0, -2.0, -3.0]), atol=1e-6)
