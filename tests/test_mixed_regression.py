@@ -1,0 +1,264 @@
+"""Spec 001: mixed regression data, FedMD (Phase 1), FedX+clustering (Phase 2), IFCA, one-shot clustering.
+
+References are written here in numpy (loops, eq. (11) with its n×n matrices P_i, closed forms)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from datamodules.mixed_regression import (
+    SETTINGS,
+    MixedRegressionDataModule,
+    clustering_error,
+    mixed_regression_problem,
+    permutation_distance,
+)
+from fl_lightning.algorithms import IFCA, FedMD, OneShotClustering
+from fl_lightning.algorithms.ifca import fedx_round
+from fl_lightning.algorithms.moment_descent import anchor_step, group_anchors, pair_moment, pair_products
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import ClusteredLinear
+from fl_lightning.module import FederatedModule
+from fl_lightning.reproduce import mixed_regression as mr
+from tests.conftest import fit
+
+SMALL_SIZES = [4] * 24 + [20] * 8
+SMALL_PROBS = [0.5, 0.5]
+
+
+def small_problem(seed: int = 0, dim: int = 6, noise: float = 0.1) -> dict:
+    return mixed_regression_problem(SMALL_SIZES, SMALL_PROBS, dim, noise, torch.Generator().manual_seed(seed))
+
+
+def test_settings_match_the_spec():
+    for name, (sizes, probs) in SETTINGS.items():
+        n = np.array(sizes, dtype=float)
+        chi2 = len(n) * ((n / n.sum()) ** 2).sum() - 1
+        assert n.sum() == 10_000 and len(probs) == 3
+        assert chi2 == pytest.approx(0.0 if name == "C1" else 0.288, abs=1e-3)
+    assert len(SETTINGS["C2"][0]) == 920 and SETTINGS["C3"][1] == [0.2, 0.3, 0.5]
+
+
+def test_data_follow_the_model():
+    p = mixed_regression_problem([200] * 6, [0.5, 0.5], 4, 0.0, torch.Generator().manual_seed(3))
+    for c in range(6):
+        lo, hi = int(p["ptr"][c]), int(p["ptr"][c + 1])
+        pred = p["x"][lo:hi] @ p["theta_star"][p["labels"][c]]
+        assert torch.allclose(pred, p["y"][lo:hi])
+
+
+def test_permutation_distance_and_clustering_error_against_brute_force():
+    rng = np.random.default_rng(0)
+    star, est = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    ref = min(max(np.linalg.norm(est[p[j]] - star[j]) for j in range(3)) for p in itertools.permutations(range(3)))
+    d, perm = permutation_distance(torch.tensor(est), torch.tensor(star))
+    assert d == pytest.approx(ref)
+    labels = torch.tensor([0, 1, 2, 2])
+    assigned = torch.tensor(perm)[labels]
+    assigned[0] = (assigned[0] + 1) % 3
+    assert clustering_error(assigned, labels, perm) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("solver", ["gd", "prox"])
+def test_one_fedx_round_is_lemma_1(solver):
+    """One round equals eq. (11): θ_j − (η/N) Σ_{z_i=j} X_iᵀ P_i (X_iθ_j − y_i), P_i as n_i×n_i matrices."""
+    p = small_problem()
+    groups, ids = mr.client_groups(p)
+    theta = torch.randn(2, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    lr, s = 0.05, 3
+    new, chosen = fedx_round(groups, theta, lr, s, solver)
+    x, y, ptr, n_total = p["x"].numpy(), p["y"].numpy(), p["ptr"].numpy(), len(p["x"])
+    th = theta.numpy()
+    ref = th.copy()
+    for c in range(len(SMALL_SIZES)):
+        xi, yi = x[ptr[c] : ptr[c + 1]], y[ptr[c] : ptr[c + 1]]
+        n = len(yi)
+        z = int(np.argmin([np.sum((yi - xi @ th[j]) ** 2) for j in range(2)]))
+        a = np.eye(n) - lr * xi @ xi.T / n
+        pmat = sum(np.linalg.matrix_power(a, ell) for ell in range(s))
+        if solver == "prox":
+            pmat = np.linalg.inv(np.eye(n) + lr * xi @ xi.T / n)
+        ref[z] -= (lr / n_total) * xi.T @ pmat @ (xi @ th[z] - yi)
+    assert np.allclose(new.numpy(), ref, atol=1e-12)
+    affine = mr.AffineFedX(groups, 2, lr, s, solver)
+    assert torch.allclose(affine.round(theta)[0], new, atol=1e-12)
+
+
+def test_pair_moments_and_products_against_loops():
+    rng = np.random.default_rng(0)
+    x, y, models, q = rng.normal(size=(7, 4)), rng.normal(size=7), rng.normal(size=(2, 4)), rng.normal(size=(4, 3))
+    e = [(y - x @ m)[:, None] * x for m in models]
+    disjoint = np.stack([sum(np.outer(ei[2 * j], ei[2 * j + 1]) for j in range(3)) for ei in e])
+    allp = np.stack([sum(np.outer(ei[a], ei[b]) for a in range(7) for b in range(7) if a != b) for ei in e])
+    t = [torch.tensor(v) for v in (x, y, models, q)]
+    assert np.allclose(pair_moment(*t[:3], "disjoint").numpy(), disjoint)
+    assert np.allclose(pair_moment(*t[:3], "all").numpy(), allp)
+    assert np.allclose(pair_products(*t, False, "disjoint").numpy(), disjoint @ q)
+    assert np.allclose(pair_products(*t, True, "disjoint").numpy(), disjoint.transpose(0, 2, 1) @ q)
+    assert np.allclose(pair_products(*t, True, "all").numpy(), allp @ q)
+
+
+def test_anchor_step_halves_the_error_with_exact_moments():
+    """Noise-free, many points, basis spanning θ* − θ: σ̂ ≈ ‖θ* − θ‖ and the step goes half way."""
+    g = torch.Generator().manual_seed(0)
+    d, n = 5, 20000
+    star, theta = torch.randn(d, generator=g, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    basis = torch.linalg.qr(torch.stack([star, torch.randn(d, generator=g, dtype=torch.float64)], 1))[0]
+    for pairing, power in [("all", 0), ("disjoint", 30)]:
+        new, sigma = anchor_step(x, x @ star, theta, basis, power, 0.5, 0.0, pairing)
+        assert sigma == pytest.approx(float(star.norm()), rel=0.05)
+        assert float((new - star).norm()) == pytest.approx(0.5 * float(star.norm()), rel=0.1)
+        assert anchor_step(x, x @ star, theta, basis, power, 0.5, 2 * sigma, pairing)[0] is theta  # stop test
+
+
+def test_group_anchors_threshold_and_fallback():
+    models = torch.tensor([[0.0, 0], [0.1, 0], [5, 5], [5.1, 5], [10, 0]], dtype=torch.float64)
+    labels, centres = group_anchors(models, 3, delta=2.0)
+    assert len(set(labels.tolist())) == 3 and labels[0] == labels[1] and labels[2] == labels[3]
+    assert sorted(centres[:, 0].tolist()) == pytest.approx([0.05, 5.05, 10.0])
+    labels2, _ = group_anchors(models, 3, delta=0.05)  # 5 groups at Δ/2: cut at k instead
+    assert torch.equal(labels2, labels)
+
+
+def test_orthogonal_iteration_recovers_the_svd_subspace():
+    p = small_problem(noise=0.5)
+    models = torch.randn(2, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    total = sum(
+        pair_moment(p["x"][p["ptr"][c] : p["ptr"][c + 1]], p["y"][p["ptr"][c] : p["ptr"][c + 1]], models)
+        for c in range(len(SMALL_SIZES))
+    )
+    u = torch.linalg.svd(total)[0][..., :2]
+    q = torch.linalg.qr(torch.randn(2, 6, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64))[0]
+    for step in range(200):
+        agg = sum(
+            pair_products(
+                p["x"][p["ptr"][c] : p["ptr"][c + 1]], p["y"][p["ptr"][c] : p["ptr"][c + 1]], models, q, step % 2 == 0
+            )
+            for c in range(len(SMALL_SIZES))
+        )
+        q = agg if step % 2 == 0 else torch.linalg.qr(agg)[0]
+    assert torch.allclose(q @ q.transpose(1, 2), u @ u.transpose(1, 2), atol=1e-6)
+
+
+def engine_run(algorithm, rounds: int, num_clusters: int = 2, seed: int = 0) -> FederatedModule:
+    dm = MixedRegressionDataModule(sizes=SMALL_SIZES, probs=SMALL_PROBS, dim=6, noise=0.1, seed=seed)
+    net = ClusteredLinear(num_clusters, 6, seed=seed + 1)
+    module = FederatedModule(algorithm, net, aggregation="num_samples", eval_every=1000, eval_last=1)
+    return fit(module, dm, rounds, seed)
+
+
+@pytest.mark.parametrize("subspace", ["svd", "orthogonal"])
+def test_fedmd_in_the_engine_equals_the_reference(subspace):
+    algo = FedMD(
+        num_anchors=3,
+        phase1_iters=2,
+        subspace=subspace,
+        orth_iters=60,
+        anchor_min_samples=20,
+        seed=0,
+        local_steps=3,
+        lr=0.05,
+    )
+    module = engine_run(algo, algo.warmup_rounds + 6)
+    p = small_problem()
+    groups, ids = mr.client_groups(p)
+    init = ClusteredLinear(2, 6, seed=1).theta.detach()
+    theta, _, anchors = mr.fedmd_phase1(p, groups, init[0], 2, 2, seed=0, num_anchors=3)
+    assert torch.equal(algo.anchor_ids, anchors)
+    ref, _, chosen = mr.run_phase2(groups, theta, p["theta_star"], 6, 0.05, 3)
+    tol = 1e-9 if subspace == "svd" else 1e-5  # Algorithm 3 converges to the SVD subspace
+    assert torch.allclose(module.net.theta.detach(), ref, atol=tol)
+    labels = module.bank.row("label").long()
+    for g, z in zip(ids, chosen):
+        assert torch.equal(labels[g], z)
+
+
+def test_ifca_fedavg_and_oneshot_in_the_engine_equal_the_reference():
+    p = small_problem()
+    groups, ids = mr.client_groups(p)
+    init = ClusteredLinear(2, 6, seed=1).theta.detach()
+    module = engine_run(IFCA(local_steps=2, lr=0.1), 5)
+    assert torch.allclose(module.net.theta.detach(), mr.run_phase2(groups, init, p["theta_star"], 5, 0.1, 2)[0])
+    module = engine_run(IFCA(local_steps=2, lr=0.1, solver="prox"), 4, num_clusters=1)
+    ref = mr.run_phase2(groups, ClusteredLinear(1, 6, seed=1).theta.detach(), p["theta_star"], 4, 0.1, 2, "prox")[0]
+    assert torch.allclose(module.net.theta.detach(), ref)
+    module = engine_run(OneShotClustering(seed=0, local_steps=2, lr=0.1), 4)
+    est = torch.stack(
+        [
+            torch.tensor(
+                np.linalg.lstsq(
+                    p["x"][p["ptr"][c] : p["ptr"][c + 1]].numpy(),
+                    p["y"][p["ptr"][c] : p["ptr"][c + 1]].numpy(),
+                    rcond=None,
+                )[0]
+            )
+            for c in range(len(SMALL_SIZES))
+        ]
+    )
+    from sklearn.cluster import KMeans
+
+    km = KMeans(n_clusters=2, n_init=10, random_state=0).fit(est.numpy())
+    assert torch.equal(module.algorithm.labels, torch.as_tensor(km.labels_, dtype=torch.long))
+    fixed = [module.algorithm.labels[g] for g in ids]
+    ref = mr.run_phase2(groups, torch.tensor(km.cluster_centers_), p["theta_star"], 3, 0.1, 2, labels=fixed)[0]
+    assert torch.allclose(module.net.theta.detach(), ref)
+
+
+def test_small_run_recovers_the_models_and_fedavg_does_not():
+    """CI-size C.1-like draw: FedMD reaches the oracle's error, global FedAvg stays ~Δ away."""
+    out = mr.run_seed("C1", 0, 150, 0.05, 5, dim=20, methods=("ours", "fedavg", "oracle"))
+    assert out["ours"]["final"] <= 2 * out["oracle"]["final"]
+    assert out["fedavg"]["final"] > 10 * out["ours"]["final"]
+    assert out["ours"]["cluster_error"] == 0.0
+
+
+def test_bad_configs_fail_with_one_line():
+    with pytest.raises(ConfigError, match="setting"):
+        MixedRegressionDataModule(setting="C9")
+    with pytest.raises(ConfigError, match="even"):
+        FedMD(subspace="orthogonal", orth_iters=3)
+    with pytest.raises(ConfigError, match="anchors needed"):
+        engine_run(FedMD(num_anchors=9, anchor_min_samples=20), 2)
+
+
+def test_train_py_resume_gives_identical_results(tmp_path):
+    from fl_lightning.reproduce.common import train_config
+
+    common = [
+        "--data.init_args.sizes",
+        str(SMALL_SIZES),
+        "--data.init_args.probs",
+        str(SMALL_PROBS),
+        "--data.init_args.dim",
+        "6",
+        "--model.network.init_args.dim",
+        "6",
+        "--model.network.init_args.num_clusters",
+        "2",
+        "--model.algorithm.init_args.num_anchors",
+        "3",
+        "--model.algorithm.init_args.phase1_iters",
+        "2",
+        "--model.eval_every",
+        "5",
+        "--checkpoint_every",
+        "4",
+        "--trainer.enable_checkpointing",
+        "true",
+    ]
+    cfg = ["configs/mixed_regression/c1.yaml", "configs/mixed_regression/fedmd.yaml"]
+    full = train_config(cfg, [*common, "--trainer.max_steps", "12"], tmp_path / "full")
+    train_config(cfg, [*common, "--trainer.max_steps", "8"], tmp_path / "part")
+    resumed = train_config(cfg, [*common, "--trainer.max_steps", "12", "--ckpt_path", "last"], tmp_path / "part")
+    assert full["rounds"] == resumed["rounds"] == 12 and full["final"] == resumed["final"]
+    a = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    b = torch.load(tmp_path / "part" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "algorithm.anchor_models" in a and "bank.label" in a
+    metrics = (tmp_path / "part" / "metrics.csv").read_text()
+    assert "mr/dist_theta" in metrics and "mr/cluster_error" in metrics
