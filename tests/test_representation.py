@@ -14,13 +14,14 @@ import torch
 from conftest import fit
 
 from datamodules import SyntheticLinearDataModule
-from fl_lightning.algorithms import LinearFedAvg, LinearFedRep
+from fl_lightning.algorithms import FedAvgSteps, LinearFedAvg, LinearFedRep
 from fl_lightning.models import LinearRepresentation, TransferCNN
 from fl_lightning.module import FederatedModule
 from fl_lightning.representation import fedavg_linear as fa
 from fl_lightning.representation import fedrep_linear as fr
 from fl_lightning.representation.features import class_feature_cosine, mean_offdiagonal
 from fl_lightning.representation.transfer import balanced_subset
+from fl_lightning.rounds import ClientSampler
 
 F64 = torch.float64
 
@@ -279,8 +280,8 @@ def test_new_client_and_training_error_claims():
 
 
 # ---- the engine path agrees with the batched path -----------------------------------------------------------
-def _engine_data(n: int, d: int, k: int, m: int, noise: float = 1e-3):
-    dm = SyntheticLinearDataModule(n, d, k, m, 10, noise, participation=1.0, seed=0)
+def _engine_data(n: int, d: int, k: int, m: int, noise: float = 1e-3, participation: float = 1.0):
+    dm = SyntheticLinearDataModule(n, d, k, m, 10, noise, participation=participation, seed=0)
     dm.setup()
     fed = dm.federated
     x, y = fed.train.x.double().reshape(1, n, m, d), fed.train.y.double().reshape(1, n, m)
@@ -291,22 +292,25 @@ def test_engine_linear_fedavg_matches_batched_path():
     n, d, k, m = 8, 6, 2, 30
     dm, fed, x, y = _engine_data(n, d, k, m)
     for tau in (1, 2):
-        L.seed_everything(0)
+        L.seed_everything(3)
         net = LinearRepresentation(d, k)
         q = torch.linalg.qr(net.body.weight.detach().T.double()).Q
         module = FederatedModule(LinearFedAvg(tau, 0.4), net, aggregation="uniform", eval_every=5, eval_last=1)
         fit(module, dm, rounds=12)
-        run = fa.fedavg(q[None] / 0.4**0.5, torch.zeros(1, k, dtype=F64), fa.sample_objectives(x, y), 0.4, tau, 12)
+        b_star = fed.extras["B_star"].double()
+        obj = fa.sample_objectives(x, y)
+        run = fa.fedavg(q[None] / 0.4**0.5, torch.zeros(1, k, dtype=F64), obj, 0.4, tau, 12, b_star=b_star[None])
+        assert float(run.dist[0, 0]) > 0.3
         assert torch.allclose(run.b[0], net.body.weight.detach().T.double(), atol=1e-5)
         assert torch.allclose(run.w[0], net.head.weight.detach()[0].double(), atol=1e-5)
-        b_star = fed.extras["B_star"].double()
         assert abs(module.history[-1]["val/dist_B"] - float(fa.distance(b_star[None], run.b)[0])) < 1e-5
 
 
 @pytest.mark.parametrize("head_steps", [None, 10])
 def test_engine_linear_fedrep_matches_batched_path(head_steps):
+    """Half of the clients per round: the batched path replays the engine's cohorts (``ClientSampler``)."""
     n, d, k, m = 8, 6, 2, 5
-    dm, fed, x, y = _engine_data(n, d, k, m)
+    dm, fed, x, y = _engine_data(n, d, k, m, participation=0.5)
     L.seed_everything(1)
     net = LinearRepresentation(d, k)
     b0, w0 = net.body.weight.detach().T.double().clone(), net.head.weight.detach()[0].double().clone()
@@ -315,9 +319,28 @@ def test_engine_linear_fedrep_matches_batched_path(head_steps):
     module = FederatedModule(algorithm, net, aggregation="uniform", eval_every=5, eval_last=1)
     fit(module, dm, rounds=12, seed=1)
     tasks = fr.Tasks(x, y, fed.extras["B_star"].double()[None], fed.extras["W_star"].double()[None])
-    run = fr.fedrep(tasks, b0[None], w0[None, None], 12, 0.1, head_steps, 0.1)
+    cohorts = ClientSampler(n, 4, 0).sample
+    run = fr.fedrep(tasks, b0[None], w0[None, None], 12, 0.1, head_steps, 0.1, cohorts=cohorts)
     assert torch.allclose(run.b[0], net.body.weight.detach().T.double(), atol=1e-5)
     assert abs(module.history[-1]["val/dist_B"] - float(run.dist[-1, 0])) < 1e-5
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_fedavg_steps_takes_exactly_tau_local_steps(tau):
+    """One client, full-batch minibatches, no momentum: one round of FedAvgSteps = τ GD steps on ½·mse."""
+    dm, fed, x, y = _engine_data(1, 4, 2, 12)
+    L.seed_everything(2)
+    net = LinearRepresentation(4, 2)
+    ref = [p.detach().clone().requires_grad_() for p in (net.body.weight, net.head.weight)]
+    module = FederatedModule(FedAvgSteps(tau), net, lr=0.05, momentum=0.0, batch_size=12, eval_last=1)
+    fit(module, dm, rounds=1, seed=2)
+    xs, ys = fed.train.x, fed.train.y
+    for _ in range(tau):
+        loss = 0.5 * ((xs @ ref[0].T @ ref[1].T).squeeze(-1) - ys).square().mean()
+        grads = torch.autograd.grad(loss, ref)
+        ref = [(p - 0.05 * g).detach().requires_grad_() for p, g in zip(ref, grads)]
+    assert torch.allclose(net.body.weight.detach(), ref[0].detach(), atol=1e-6)
+    assert torch.allclose(net.head.weight.detach(), ref[1].detach(), atol=1e-6)
 
 
 def test_linear_configs_run_through_train_py(tmp_path):

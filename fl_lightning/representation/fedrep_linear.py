@@ -13,6 +13,7 @@ projected GD on the unfactorised matrix-sensing objective (App. A.1, Tu et al. 2
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,17 @@ class FedRepRun:
 
 
 def fit_heads(feats: Tensor, y: Tensor, ridge: float = 0.0) -> Tensor:
-    """argmin_w ‖F w − y‖² (+ ridge‖w‖²) per client: ``feats`` ``[..., m, k]``, ``y`` ``[..., m]``."""
-    if ridge == 0.0:
+    """argmin_w ‖F w − y‖² (+ ridge‖w‖²) per client: ``feats`` ``[..., m, k]``, ``y`` ``[..., m]``.
+
+    Normal equations (FᵀF + λI)w = Fᵀy, batched; without ridge and with m < k, the minimum-norm least squares.
+    """
+    m, k = feats.shape[-2:]
+    if ridge == 0.0 and m < k:
         return torch.linalg.lstsq(feats, y[..., None]).solution[..., 0]
-    gram = feats.transpose(-1, -2) @ feats + ridge * torch.eye(feats.shape[-1], dtype=feats.dtype)
-    return torch.linalg.solve(gram, (feats.transpose(-1, -2) @ y[..., None]))[..., 0]
+    gram = feats.transpose(-1, -2) @ feats
+    if ridge:
+        gram = gram + ridge * torch.eye(k, dtype=feats.dtype)
+    return torch.linalg.solve(gram, feats.transpose(-1, -2) @ y[..., None])[..., 0]
 
 
 def fedrep(
@@ -116,23 +123,29 @@ def fedrep(
     clients_per_round: int | None = None,
     orthonormalize: bool = True,
     generator: torch.Generator | None = None,
+    cohorts: Callable[[int], Tensor] | None = None,
 ) -> FedRepRun:
     """FedRep (``head_steps=None``: exact least-squares heads) or GD-GD / 10GD-GD (``head_steps`` head GD steps).
 
     Per round (spec 000 Algorithm 2 with fixed samples): each sampled client fits its head on B, takes one GD
     step on B with the new head fixed, ∇_B f̂ᵢ = (1/m)Σⱼ(xⱼᵀBwᵢ − yⱼ)xⱼwᵢᵀ; the server averages the Bᵢ and
-    (if ``orthonormalize``) keeps the Q factor. Heads of unsampled clients are unchanged.
+    (if ``orthonormalize``) keeps the Q factor. Heads of unsampled clients are unchanged. Each round
+    ``clients_per_round`` clients are drawn per trial from ``generator``, or ``cohorts(t)`` (the same indices for
+    every trial, e.g. the engine's ``ClientSampler.sample``) when given.
     """
     x, y = tasks.x, tasks.y
     trials, n, m, _ = x.shape
     s = n if clients_per_round is None else clients_per_round
     b, w = b0.to(DTYPE).clone(), w0.to(DTYPE).expand(trials, n, -1).clone()
     dists, fvals = [distance(tasks.b_star, b)], [function_value(b, w, tasks.b_star, tasks.w_star)]
-    for _ in range(rounds):
-        if s == n:
+    for t in range(rounds):
+        if cohorts is None and s == n:
             idx, xs, ys, ws = None, x, y, w
         else:
-            idx = torch.rand(trials, n, generator=generator).argsort(1)[:, :s]
+            if cohorts is not None:
+                idx = torch.as_tensor(cohorts(t)).long().expand(trials, -1)
+            else:
+                idx = torch.rand(trials, n, generator=generator).argsort(1)[:, :s]
             xs = torch.gather(x, 1, idx[:, :, None, None].expand(-1, -1, m, x.shape[3]))
             ys = torch.gather(y, 1, idx[:, :, None].expand(-1, -1, m))
             ws = torch.gather(w, 1, idx[:, :, None].expand(-1, -1, w.shape[2]))

@@ -200,35 +200,63 @@ def spec004(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> li
     return lines
 
 
+def _engine_setup(base: str, seed: int, data_overrides: dict[str, Any]) -> tuple[Any, Any]:
+    """The datamodule and initial network a ``train.py`` run with ``base`` and ``seed_everything=seed`` builds."""
+    import lightning as L
+    import yaml
+
+    from datamodules import SyntheticLinearDataModule
+    from fl_lightning.models import LinearRepresentation
+
+    cfg = yaml.safe_load((CONFIGS / f"{base}.yaml").read_text())
+    L.seed_everything(seed, verbose=False)
+    net = LinearRepresentation(**cfg["model"]["network"]["init_args"])
+    dm = SyntheticLinearDataModule(**{**cfg["data"]["init_args"], **data_overrides})
+    dm.setup()
+    return dm, net
+
+
+def _flags(data_overrides: dict[str, Any]) -> list[str]:
+    return [f"--data.init_args.{k}={v}" for k, v in data_overrides.items()]
+
+
 def spec004_engine(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
+    """train.py with configs/representation/linear_*.yaml, and the batched path replayed on the same data and init."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     rows = []
-    for name, label in (("linear_fedavg", "FedAvg τ=2"), ("linear_dgd", "D-GD τ=1")):
+    rounds, data = cfg["engine_rounds004"], cfg["engine_data004"]
+    dm, net = _engine_setup("linear_base", 0, data)
+    fed = dm.federated
+    n, m = fed.num_clients, int(fed.train.sizes[0])
+    x, y = fed.train.x.double().reshape(1, n, m, -1), fed.train.y.double().reshape(1, n, m)
+    b_star = fed.extras["B_star"].double()[None]
+    q = torch.linalg.qr(net.body.weight.detach().T.double()).Q[None]
+    for name, label, tau in (("linear_fedavg", "FedAvg τ=2", 2), ("linear_dgd", "D-GD τ=1", 1)):
         run_dir = out / "runs" / name
         summary = train_config(
             [CONFIGS / "linear_base.yaml", CONFIGS / f"{name}.yaml"],
-            [
-                f"--trainer.max_steps={cfg['engine_rounds004']}",
-                "--trainer.enable_checkpointing=false",
-                *cfg["engine_data004"],
-            ],
+            [f"--trainer.max_steps={rounds}", "--trainer.enable_checkpointing=false", *_flags(data)],
             run_dir=run_dir,
         )
         hist = engine_history(run_dir)
-        ax.semilogy([t for t, _ in hist], [v for _, v in hist], marker=".", label=label)
-        rows.append((label, summary["rounds"], summary["dist_B"], summary["final"], summary["wall_s"]))
-        records.append(
-            record("engine_spec004", label, "dist_B_final", summary["dist_B"], setting="train.py, finite samples")
-        )
-        records.append(record("engine_spec004", label, "wall_s", summary["wall_s"], setting="train.py, finite samples"))
-    ax.set(title="train.py: LinearFedAvg (finite samples)", xlabel="round", ylabel="dist(B_t, B*)")
-    ax.legend()
+        replay = fa.fedavg(q / 0.4**0.5, torch.zeros(1, q.shape[2], dtype=F64), fa.sample_objectives(x, y), 0.4, tau,
+                           rounds, b_star=b_star).dist[:, 0]  # fmt: skip
+        gap = max(abs(v - float(replay[t])) for t, v in hist)
+        line = ax.semilogy([t for t, _ in hist], [v for _, v in hist], marker="o", ls="", label=f"{label} (train.py)")
+        ax.semilogy(replay, color=line[0].get_color(), label=f"{label} (batched replay)")
+        rows.append((label, summary["rounds"], summary["dist_B"], float(replay[-1]), gap, summary["wall_s"]))
+        setting = f"train.py, n={n}, {m} noiseless samples/client"
+        records.append(record("engine_spec004", label, "dist_B_final", summary["dist_B"], setting=setting))
+        records.append(record("engine_spec004", label, "max_gap_to_batched", gap, setting=setting))
+    ax.set(title="LinearFedAvg: train.py vs batched path", xlabel="round", ylabel="dist(B_t, B*)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "engine_spec004_dist.png", dpi=110)
     plt.close(fig)
-    return ["Engine path (train.py, configs/representation/linear_*.yaml; 500 noiseless samples per client)",
-            format_table(["method", "rounds", "dist_B", "global-model mse", "wall_s"], rows), ""]  # fmt: skip
+    return [f"Engine path: train.py with configs/representation/linear_*.yaml ({n} clients × {m} noiseless samples)",
+            format_table(["method", "rounds", "dist_B (train.py)", "dist_B (batched)", "max |gap|", "wall_s"], rows),
+            ""]  # fmt: skip
 
 
 # ---- FedRep (spec 000) ------------------------------------------------------------------------------------
@@ -401,32 +429,49 @@ def fedrep_init(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -
 
 
 def fedrep_engine(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
+    """train.py with configs/representation/fedrep*.yaml (random init) for several seeds, and the batched path
+    replayed on the same data, initialisation and client cohorts."""
+    from fl_lightning.rounds import ClientSampler
+
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    seeds, rounds, data = cfg["engine_seeds000"], cfg["engine_rounds000"], cfg["engine_data000"]
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4), squeeze=False)
     rows = []
-    for name, label in (("fedrep", "FedRep"), ("10gdgd", "10GD-GD"), ("gdgd", "GD-GD")):
-        run_dir = out / "runs" / name
-        summary = train_config(
-            [CONFIGS / "fedrep_base.yaml", CONFIGS / f"{name}.yaml"],
-            [
-                f"--trainer.max_steps={cfg['engine_rounds000']}",
-                "--trainer.enable_checkpointing=false",
-                *cfg["engine_data000"],
-            ],
-            run_dir=run_dir,
-        )
-        hist = engine_history(run_dir)
-        ax.semilogy([t for t, _ in hist], [v for _, v in hist], marker=".", label=label)
-        rows.append((label, summary["rounds"], summary["dist_B"], summary["final"], summary["wall_s"]))
-        records.append(record("engine_fedrep", label, "dist_B_final", summary["dist_B"], setting="train.py, n=100"))
-        records.append(record("engine_fedrep", label, "mse_final", summary["final"], setting="train.py, n=100"))
-    ax.set(title="train.py: LinearFedRep (n=100, m=5, r=0.1)", xlabel="round", ylabel="dist(B_t, B*)")
-    ax.legend()
+    for j, seed in enumerate(seeds):
+        dm, net = _engine_setup("fedrep_base", seed, data)
+        fed = dm.federated
+        n, m = fed.num_clients, int(fed.train.sizes[0])
+        tasks = fr.Tasks(fed.train.x.double().reshape(1, n, m, -1), fed.train.y.double().reshape(1, n, m),
+                         fed.extras["B_star"].double()[None], fed.extras["W_star"].double()[None])  # fmt: skip
+        b0, w0 = net.body.weight.detach().T.double()[None], net.head.weight.detach().double()[None]
+        cohorts = ClientSampler(n, dm.clients_per_round, seed).sample
+        for name, label, steps in (("fedrep", "FedRep", None), ("10gdgd", "10GD-GD", 10), ("gdgd", "GD-GD", 1)):
+            run_dir = out / "runs" / f"{name}_seed{seed}"
+            summary = train_config(
+                [CONFIGS / "fedrep_base.yaml", CONFIGS / f"{name}.yaml"],
+                [f"--seed_everything={seed}", f"--trainer.max_steps={rounds}", "--trainer.enable_checkpointing=false",
+                 *_flags(data)],
+                run_dir=run_dir,
+            )  # fmt: skip
+            hist = engine_history(run_dir)
+            replay = fr.fedrep(tasks, b0, w0, rounds, 0.1, steps, 0.1, cohorts=cohorts).dist[:, 0]
+            gap = max(abs(v - float(replay[t])) for t, v in hist)
+            line = axes[0, j].semilogy([t for t, _ in hist], [v for _, v in hist], marker="o", ls="", label=label)
+            axes[0, j].semilogy(replay, color=line[0].get_color(), lw=1)
+            rows.append((seed, label, summary["dist_B"], float(replay[-1]), gap, summary["final"], summary["wall_s"]))
+            setting = f"train.py, n={n}, seed={seed}"
+            records.append(
+                record("engine_fedrep", label, "dist_B_final", summary["dist_B"], seed=seed, setting=setting)
+            )
+            records.append(record("engine_fedrep", label, "max_gap_to_batched", gap, seed=seed, setting=setting))
+        axes[0, j].set(title=f"seed {seed}: train.py (dots) vs batched (lines)", xlabel="round", ylabel="dist(B_t, B*)")
+        axes[0, j].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "engine_fedrep_dist.png", dpi=110)
     plt.close(fig)
-    return ["Engine path (train.py, configs/representation/fedrep*.yaml, random init)",
-            format_table(["method", "rounds", "dist_B", "client test mse", "wall_s"], rows), ""]  # fmt: skip
+    header = ["seed", "method", "dist_B (train.py)", "dist_B (batched)", "max |gap|", "client mse", "wall_s"]
+    return [f"Engine path: train.py with configs/representation/fedrep*.yaml (random init, {rounds} rounds)",
+            format_table(header, rows), ""]  # fmt: skip
 
 
 # ---- spec 004 §4.2: CIFAR-100 transfer --------------------------------------------------------------------
@@ -490,16 +535,17 @@ def _override(overrides: list[str], key: str, default: int) -> int:
 # ---- main -------------------------------------------------------------------------------------------------
 FULL = dict(
     trials=10, rounds004=1000, ft_samples=[5, 10, 20, 50, 100], sweep_trials=5, taus=[1, 2, 3, 5, 10],
-    alphas=[0.1, 0.2, 0.4], sweep_rounds=300, alpha_rounds=3000, engine_rounds004=300, engine_data004=[],
+    alphas=[0.1, 0.2, 0.4], sweep_rounds=300, alpha_rounds=3000, engine_rounds004=300, engine_data004={},
     fig3_n=[10, 100, 1000, 10000], fig3_rounds=200, fig7_m=[5, 10, 20], fig7_n=[10, 100, 1000], fig7_rounds=200,
     fig1_m=[5, 10, 20], fig1_rounds=500, fig4_m_new=[1, 2, 5, 10, 20, 40], init_n=[10, 100, 1000, 10000],
-    engine_rounds000=200, engine_data000=[],
+    engine_rounds000=200, engine_data000={}, engine_seeds000=[0, 1, 2],
 )  # fmt: skip
 QUICK = dict(
     trials=2, rounds004=60, ft_samples=[5, 20], sweep_trials=2, taus=[1, 2], alphas=[0.2, 0.4], sweep_rounds=60,
-    alpha_rounds=60, engine_rounds004=4, engine_data004=["--data.init_args.num_clients=4"], fig3_n=[10, 100],
+    alpha_rounds=60, engine_rounds004=4, engine_data004={"num_clients": 4}, fig3_n=[10, 100],
     fig3_rounds=20, fig7_m=[5], fig7_n=[10, 100], fig7_rounds=20, fig1_m=[5, 10], fig1_rounds=20,
-    fig4_m_new=[1, 2, 40], init_n=[10, 100], engine_rounds000=4, engine_data000=["--data.init_args.num_clients=10"],
+    fig4_m_new=[1, 2, 40], init_n=[10, 100], engine_rounds000=4, engine_data000={"num_clients": 10},
+    engine_seeds000=[0],
 )  # fmt: skip
 
 
