@@ -120,11 +120,11 @@ def heatmap(report: dict[str, Any], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     h = np.asarray(report["train_histogram"])
-    fig, ax = plt.subplots(figsize=(min(12, 3 + 0.25 * h.shape[1]), min(10, 2 + 0.08 * h.shape[0])))
+    fig, ax = plt.subplots(figsize=(min(12, 5 + 0.25 * h.shape[1]), min(10, 3 + 0.08 * h.shape[0])))
     im = ax.imshow(h, aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_xlabel("class")
     ax.set_ylabel("client")
-    ax.set_title(f"{report['datamodule']}: training samples per client and class (hash {report['hash']})", fontsize=9)
+    ax.set_title(f"{report['datamodule']} (hash {report['hash']})\ntraining samples per client and class", fontsize=9)
     fig.colorbar(im, ax=ax, label="samples")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
