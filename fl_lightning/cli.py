@@ -219,12 +219,34 @@ def _one_line(exc: BaseException) -> str:
     reasons = [ln.lstrip("- ") for ln in lines[1:] if ln.startswith("- ") and not ln.lstrip("- ").startswith(noise)]
     head = lines[0] if not lines[0].startswith(noise) else ""
     if reasons:
-        head = f"{key}: {reasons[0]}" if key else reasons[0]
+        reason = reasons[0]
+        if reason.endswith(":"):  # the detail is on the next line
+            after = lines[lines.index(next(ln for ln in lines if ln.lstrip("- ") == reason)) + 1 :]
+            reason += " " + next((ln for ln in after if not ln.startswith(noise)), "")
+        head = f"{key}: {reason}" if key else reason
     return " ".join((head or lines[0]).split())
+
+
+def check_config_files(args: list[str]) -> None:
+    """Missing or unparsable ``--config`` files, named, before jsonargparse reports them less clearly."""
+    import yaml
+
+    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
 
 
 def run(args: list[str] | None = None) -> dict[str, Any]:
     """Parse, train, print the result table. Returns the run summary."""
+    check_config_files(list(sys.argv[1:] if args is None else args))
     from jsonargparse import ArgumentError
 
     from datamodules.base import FederatedDataModule

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client_data import FederatedData
 from fl_lightning.errors import ConfigError
+from fl_lightning.executors import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
 from fl_lightning.ledger import CommunicationLedger
 from fl_lightning.local import ClientContext, ClientOptimizer, Params, loss_fn_for, select
 from fl_lightning.metrics import PerClientScores, principal_angle_distance
@@ -63,6 +64,8 @@ class FederatedModule(L.LightningModule):
         client_dropout: simulated faults: probability that a sampled client fails before reporting.
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
+        executor: ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.executors``: all
+            sampled clients at once, frozen-body features computed once, same results).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -83,6 +86,7 @@ class FederatedModule(L.LightningModule):
         client_dropout: float = 0.0,
         stragglers: float = 0.0,
         straggler_budget: float = 0.5,
+        executor: Literal["sequential", "vectorized"] = "sequential",
     ) -> None:
         super().__init__()
         for name, value in {
@@ -102,6 +106,8 @@ class FederatedModule(L.LightningModule):
             raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune"])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
+        self.executor = executor
+        self._fallback_logged = False
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
         self.client_optimizer = ClientOptimizer(lr, momentum, weight_decay, batch_size)
@@ -171,10 +177,52 @@ class FederatedModule(L.LightningModule):
             step_budget,
         )
 
+    def vectorized(self) -> bool:
+        """Whether the fast executor applies (else the sequential loop runs, and says so once)."""
+        if self.executor != "vectorized":
+            return False
+        reason = None
+        if not type(self.algorithm).__dict__.get("vectorizable", False):
+            reason = f"{type(self.algorithm).__name__} is not marked vectorizable"
+        elif has_batchnorm(self.net):
+            reason = "the network has BatchNorm layers"
+        if reason and not self._fallback_logged:
+            log.warning("executor 'vectorized' falls back to 'sequential': %s", reason)
+            self._fallback_logged = True
+        return reason is None
+
+    def vector_context(self, clients: list[int], round_idx: int, budgets: list[float], tag: str = "train"):
+        data = self.fed.train
+        pairs = [data.client(c) for c in clients]
+        return VectorizedContext(
+            self.net,
+            clients,
+            [x for x, _ in pairs],
+            [y for _, y in pairs],
+            None if self.fed.side is None else [self.fed.side[c] for c in clients],
+            self.client_optimizer,
+            per_sample_loss_for(self.fed.num_classes),
+            [make_generator(self.fed.seed, tag, round_idx, c) for c in clients],
+            self.fed.augment,
+            round_idx,
+            self.fed.seed,
+            budgets,
+        )
+
     def run_clients(
         self, clients: list[int], round_idx: int, glob: Params, states: list[Params], budgets: list[float]
     ) -> list[ClientUpdate]:
-        """The sequential client executor: one client after the other (the reference path)."""
+        """Run the local updates: the sequential loop (the reference), or all clients at once."""
+        if not clients:
+            return []
+        if self.vectorized():
+            ctx = self.vector_context(clients, round_idx, budgets)
+            expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}
+            upd = self.algorithm.client_update(ctx, expanded, stack(states) if states[0] else {})
+            return [
+                ClientUpdate(unstack(upd.upload, k), unstack(upd.state, k), int(upd.num_samples[k]), float(upd.loss[k]))
+                for k in range(len(clients))
+            ]
         return [
             self.algorithm.client_update(self.client_context(c, round_idx, step_budget=b), glob, st)
             for c, st, b in zip(clients, states, budgets)
@@ -364,7 +412,9 @@ class FederatedModule(L.LightningModule):
             metrics["val/acc_weighted"] = float(result["acc_weighted"])
             metrics["val/loss"] = float(result["loss_mean"])
         if "B_star" in self.fed.extras and hasattr(self.net, "representation"):
-            metrics["val/dist_B"] = float(principal_angle_distance(self.fed.extras["B_star"], self.net.representation))
+            metrics["val/dist_B"] = float(
+                principal_angle_distance(self.fed.extras["B_star"], self.net.representation.detach())
+            )
         key = "val/acc_mean" if "val/acc_mean" in metrics else "val/mse_mean"
         self.history.append({"round": round_idx, **metrics})
         recent = [h[key] for h in self.history[-self.eval_last :]]

@@ -40,6 +40,9 @@ class Algorithm(nn.Module):
     checkpointed with the model; they hold no model weights themselves."""
 
     personal: tuple[str, ...] = ()
+    #: True when ``client_update`` uses only dict operations and ``ctx.sgd``, so the vectorized executor can
+    #: run it on stacked parameters. Each class must declare it itself (it is not inherited).
+    vectorizable: bool = False
 
     def __init__(self, personal: Sequence[str] | None = None) -> None:
         super().__init__()

@@ -15,6 +15,8 @@ from fl_lightning.local import ClientContext, Params
 class FedAvg(Algorithm):
     """Joint local SGD on every parameter; parameters under ``personal`` prefixes stay on the client."""
 
+    vectorizable = True  # written only with ctx.sgd and dict operations
+
     def __init__(self, local_epochs: int = 1, personal: Sequence[str] | None = None) -> None:
         super().__init__(personal)
         self.local_epochs = local_epochs

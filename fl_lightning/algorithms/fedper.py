@@ -11,5 +11,7 @@ from fl_lightning.algorithms.fedavg import FedAvg
 
 
 class FedPer(FedAvg):
+    vectorizable = True  # written only with ctx.sgd and dict operations
+
     def __init__(self, local_epochs: int = 1, personal: Sequence[str] = ("head.",)) -> None:
         super().__init__(local_epochs, personal)

@@ -14,6 +14,8 @@ from fl_lightning.local import ClientContext, Params
 
 
 class FedRep(Algorithm):
+    vectorizable = True  # written only with ctx.sgd and dict operations
+
     def __init__(self, head_epochs: int = 10, body_epochs: int = 1, personal: Sequence[str] = ("head.",)) -> None:
         super().__init__(personal)
         self.head_epochs, self.body_epochs = head_epochs, body_epochs

@@ -13,5 +13,7 @@ from fl_lightning.algorithms.fedavg import FedAvg
 
 
 class LGFedAvg(FedAvg):
+    vectorizable = True  # written only with ctx.sgd and dict operations
+
     def __init__(self, local_epochs: int = 1, personal: Sequence[str] = ("body.",)) -> None:
         super().__init__(local_epochs, personal)

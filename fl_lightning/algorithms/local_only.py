@@ -9,5 +9,7 @@ from fl_lightning.algorithms.fedavg import FedAvg
 
 
 class LocalOnly(FedAvg):
+    vectorizable = True  # written only with ctx.sgd and dict operations
+
     def __init__(self, local_epochs: int = 1) -> None:
         super().__init__(local_epochs, personal=("",))

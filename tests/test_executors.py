@@ -1,0 +1,108 @@
+"""The vectorized executor gives the sequential loop's results (updates, metrics, personal state)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from conftest import fit
+
+from datamodules import DigitsDataModule, Dirichlet, Shards
+from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
+from fl_lightning.executors import VectorizedContext, per_sample_loss_for, stack, unstack
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.models import DigitsCNN, DigitsMLP
+from fl_lightning.module import FederatedModule
+from fl_lightning.rounds import make_generator
+
+ALGORITHMS = {
+    "fedavg": lambda: FedAvg(2),
+    "fedrep": lambda: FedRep(3, 1),
+    "fedper": lambda: FedPer(1),
+    "lg_fedavg": lambda: LGFedAvg(1, personal=("body.fc1",)),
+    "local": lambda: LocalOnly(2),
+}
+
+
+def contexts(net, sizes, budgets=None, batch_size=7):
+    """One VectorizedContext and the matching ClientContexts over clients of unequal sizes."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(n, 1, 8, 8, generator=g) for n in sizes]
+    ys = [torch.randint(0, 10, (n,), generator=g) for n in sizes]
+    budgets = budgets or [1.0] * len(sizes)
+    opt = ClientOptimizer(lr=0.05, momentum=0.5, weight_decay=1e-3, batch_size=batch_size)
+    gens = [make_generator(5, "train", 0, k) for k in range(len(sizes))]
+    vctx = VectorizedContext(
+        net, range(len(sizes)), xs, ys, None, opt, per_sample_loss_for(10), gens, None, 0, 5, budgets
+    )
+    seq = [
+        ClientContext(net, k, xs[k], ys[k], None, opt, loss_fn_for(10), make_generator(5, "train", 0, k), None, 0, 5, b)
+        for k, b in enumerate(budgets)
+    ]
+    return vctx, seq
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("network", [DigitsMLP, DigitsCNN])
+def test_vectorized_client_updates_equal_sequential(name, network):
+    torch.manual_seed(0)
+    net, algorithm = network(), ALGORITHMS[name]()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    template = algorithm.init_client_state(glob)
+    states = [{n: v + 0.01 * k for n, v in template.items()} for k in range(4)]
+    vctx, seq = contexts(net, [23, 9, 31, 14], budgets=[1.0, 1.0, 0.5, 1.0])
+    expanded = {n: v.expand(4, *v.shape) for n, v in glob.items()}
+    batched = algorithm.client_update(vctx, expanded, stack(states) if template else {})
+    for k in range(4):
+        ref = algorithm.client_update(seq[k], glob, states[k])
+        assert int(batched.num_samples[k]) == ref.num_samples
+        assert abs(float(batched.loss[k]) - ref.loss) < 1e-5
+        for part, expected in (("upload", ref.upload), ("state", ref.state)):
+            got = unstack(getattr(batched, part), k)
+            assert set(got) == set(expected)
+            for n in expected:
+                torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=1e-5, msg=f"{part} {n} client {k}")
+
+
+def test_feature_caching_computes_the_frozen_body_once_and_matches_recomputing():
+    torch.manual_seed(0)
+    net = DigitsMLP()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    heads = [{n: v for n, v in glob.items() if n.startswith("head.")} for _ in range(3)]
+    cached, _ = contexts(net, [12, 20, 5])
+    recomputed, _ = contexts(net, [12, 20, 5])
+    recomputed.cache_features = False
+    expanded = {n: v.expand(3, *v.shape) for n, v in glob.items()}
+    names = [n for n in glob if n.startswith("head.")]
+    a = cached.sgd({**expanded, **stack(heads)}, names, epochs=10)
+    b = recomputed.sgd({**expanded, **stack(heads)}, names, epochs=10)
+    assert cached.feature_passes == 1 and recomputed.feature_passes == 0
+    for n in names:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedrep", "lg_fedavg"])
+def test_several_rounds_give_the_same_metrics_and_personal_state(name):
+    def run(executor):
+        L.seed_everything(0, verbose=False)
+        module = FederatedModule(ALGORITHMS[name](), DigitsMLP(), eval_every=1, executor=executor)
+        dm = DigitsDataModule(num_clients=10, partition=Dirichlet(0.5), clients_per_round=4, seed=0)
+        return fit(module, dm, rounds=4)
+
+    seq, vec = run("sequential"), run("vectorized")
+    for a, b in zip(seq.history, vec.history):
+        for key in a:
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    for n, p in seq.net.named_parameters():
+        torch.testing.assert_close(dict(vec.net.named_parameters())[n], p, rtol=1e-5, atol=1e-5)
+    for n in seq.bank.names:
+        torch.testing.assert_close(vec.bank.row(n), seq.bank.row(n), rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_algorithm_falls_back_to_sequential(caplog):
+    class Custom(FedAvg):  # a subclass must declare vectorizable itself
+        pass
+
+    module = FederatedModule(Custom(1), DigitsMLP(), eval_every=100, executor="vectorized")
+    fit(module, DigitsDataModule(num_clients=4, partition=Shards(5), clients_per_round=2, seed=0), rounds=2)
+    assert caplog.text.count("falls back to 'sequential'") == 1
