@@ -137,6 +137,9 @@ def test_omniglot_alphabets_are_clients(tmp_path):
         assert torch.bincount(y_te)[sorted(chars)].tolist() == [4] * len(chars)
     # strokes (black squares in the PNGs) become 1 after inversion
     assert fed.train.x.max() == 1.0 and fed.train.x.min() == 0.0
+    # 4 clients per alphabet → 5 drawings per character per client: 4 train + 1 test
+    fed4 = built(OmniglotDataModule(num_clients=12, data_dir=str(tmp_path), seed=0))
+    assert fed4.train.sizes.sum() == 7 * 4 * 4 and fed4.test.sizes.sum() == 7 * 4
     # M = 10 clients per alphabet → 2 drawings per character per client: 1 train + 1 test
     fed10 = built(OmniglotDataModule(num_clients=30, data_dir=str(tmp_path), seed=0))
     assert fed10.train.sizes.sum() == 7 * 10 and fed10.test.sizes.sum() == 7 * 10
@@ -318,3 +321,21 @@ def test_sent140_glove_initialises_the_network_embedding(tmp_path):
     vocab = dm.tokenizer.get_vocab()
     assert torch.allclose(weight[vocab["good"]], torch.tensor([1.0, 2.0, 3.0]), atol=1e-6)
     assert torch.allclose(weight[vocab["bad"]], torch.tensor([-1.0, -2.0, -3.0]), atol=1e-6)
+
+
+def test_femnist_letters_train_and_digit_clients_are_new(tmp_path):
+    write_femnist(tmp_path, users=6, per_user=(40, 60), classes=[*range(10), *range(36, 46)])
+    dm = FEMNISTDataModule(
+        num_clients=3, partition=PerClientSplit(Natural(), 0.1), data_dir=str(tmp_path), classes=list(range(36, 46)),
+        transfer_classes=list(range(10)), transfer_clients=2, transfer_partition=Shards(5), seed=0,
+    )  # fmt: skip
+    fed = built(dm)
+    ys = [y for split in ("train", "test") for u in leaf_users(tmp_path, split).values() for y in u["y"]]
+    letters, digits = sum(36 <= y <= 45 for y in ys), sum(y < 10 for y in ys)
+    new = dm.new_clients
+    # the 3 training clients are 3 of the 6 writers (letters only, relabelled 0-9); all digits go to new clients
+    assert fed.train.y.max() <= 9 and fed.train.x.shape[0] + fed.test.x.shape[0] <= letters
+    assert new.train.x.shape[0] + new.test.x.shape[0] == digits
+    for c in range(2):
+        assert len(set(new.train.client(c)[1].tolist())) == 5
+        assert set(new.test.client(c)[1].tolist()) <= set(new.train.client(c)[1].tolist())
