@@ -23,11 +23,19 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client_data import FederatedData
 from fl_lightning.errors import ConfigError
-from fl_lightning.executors import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
+from fl_lightning.executors import (
+    FEATURE_CHUNK,
+    VectorizedContext,
+    has_batchnorm,
+    per_sample_loss_for,
+    stack,
+    unstack,
+)
 from fl_lightning.ledger import CommunicationLedger
 from fl_lightning.local import ClientContext, ClientOptimizer, Params, loss_fn_for, select
 from fl_lightning.metrics import PerClientScores, principal_angle_distance
@@ -365,42 +373,109 @@ class FederatedModule(L.LightningModule):
             self.algorithm.server_update(live, extra, round_idx)
 
     # ---- evaluation --------------------------------------------------------------------------------------
+    def _score_outputs(self, out: Tensor, y: Tensor) -> tuple[float, int, float]:
+        """(correct predictions, samples, summed loss) of one client's test outputs."""
+        if self.fed.num_classes is None:
+            return 0.0, y.shape[0], float(((out.float() - y) ** 2).sum())
+        loss = float(torch.nn.functional.cross_entropy(out.float(), y, reduction="sum"))
+        return float((out.argmax(-1) == y).sum()), y.shape[0], loss
+
     @torch.no_grad()
     def _score(self, client: int, params: Params) -> tuple[float, int, float]:
         x, y = self.fed.test.client(client)
         if x.shape[0] == 0:
             return 0.0, 0, 0.0
         side = None if self.fed.side is None else self.fed.side[client]
-        correct, loss_sum = 0.0, 0.0
+        total = [0.0, 0, 0.0]
         for i in range(0, x.shape[0], 2048):
-            xb, yb = x[i : i + 2048], y[i : i + 2048]
+            xb = x[i : i + 2048]
             sb = None if side is None else side.expand(xb.shape[0], *side.shape)
-            out = torch.func.functional_call(self.net, params, (xb,), {"side": sb}, strict=False)
-            if self.fed.num_classes is None:
-                loss_sum += float(((out - yb) ** 2).sum())
-            else:
-                loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
-                correct += float((out.argmax(-1) == yb).sum())
-        return correct, x.shape[0], loss_sum
+            out = functional_call(self.net, params, (xb,), {"side": sb}, strict=False)
+            for j, v in enumerate(self._score_outputs(out, y[i : i + 2048])):
+                total[j] += v
+        return total[0], int(total[1]), total[2]
 
     def evaluate_clients(self, round_idx: int, finetune: FineTune | None = None) -> dict[str, Tensor]:
         """Every client evaluates (global shared + its own personal state) on its own test split."""
         was_training = self.net.training
-        self.net.eval()
         glob = self.global_params()
         self.client_scores.reset()
-        for c in range(self.global_rank, self.fed.num_clients, self.trainer.world_size):
-            params = self.algorithm.client_model(glob, self.bank.get(c))
-            self.net.train(was_training)
-            ctx = self.client_context(c, round_idx, tag="evaluation")
-            params = self.algorithm.adapt_for_evaluation(ctx, params)
-            if finetune is not None:
-                params = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
-            self.net.eval()
-            self.client_scores.update(c, *self._score(c, params))
+        world, rank = (self._trainer.world_size, self.global_rank) if self._trainer is not None else (1, 0)
+        mine = list(range(rank, self.fed.num_clients, world))
+        if self._shared_body_evaluation(finetune):
+            self._evaluate_with_shared_body(mine, glob, round_idx, finetune)
+        else:
+            for c in mine:
+                params = self.algorithm.client_model(glob, self.bank.get(c))
+                self.net.train(was_training)
+                ctx = self.client_context(c, round_idx, tag="evaluation")
+                params = self.algorithm.adapt_for_evaluation(ctx, params)
+                if finetune is not None:
+                    params = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
+                self.net.eval()
+                self.client_scores.update(c, *self._score(c, params))
         result = self.client_scores.compute()
         self.net.train(was_training)
         return result
+
+    def _shared_body_evaluation(self, finetune: FineTune | None) -> bool:
+        """The fast path applies when every client's model is (global body) + (its own head)."""
+        kind = type(self.algorithm)
+        return (
+            self.executor == "vectorized"
+            and isinstance(getattr(self.net, "body", None), nn.Module)
+            and getattr(self.net, "side", None) is None
+            and all(p.startswith("head.") for p in self.algorithm.personal)
+            and (finetune is None or all(p.startswith("head.") for p in finetune.prefixes))
+            and kind.client_model is Algorithm.client_model
+            and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
+        )
+
+    @torch.no_grad()
+    def _evaluate_with_shared_body(
+        self, clients: list[int], glob: Params, round_idx: int, finetune: FineTune | None
+    ) -> None:
+        """Test features once with the global body for all clients, then each client's head on its rows."""
+        heads = [
+            {n: v for n, v in self.algorithm.client_model(glob, self.bank.get(c)).items() if n.startswith("head.")}
+            for c in clients
+        ]
+        if finetune is not None:
+            with torch.enable_grad():
+                heads = self._finetune_heads(clients, glob, heads, round_idx, finetune)
+        self.net.eval()
+        body = {n[len("body.") :]: v for n, v in glob.items() if n.startswith("body.")}
+        test = self.fed.test
+        spans = [(int(test.ptr[c]), int(test.ptr[c + 1])) for c in clients]
+        rows = torch.cat([torch.arange(lo, hi, device=test.x.device) for lo, hi in spans]) if spans else None
+        if rows is None or rows.numel() == 0:
+            return
+        x = test.x[rows]
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        feats = torch.cat([functional_call(self.net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
+        start = 0
+        for c, (lo, hi), head in zip(clients, spans, heads):
+            out = functional_call(
+                self.net.head, {n[len("head.") :]: v for n, v in head.items()}, (feats[start : start + hi - lo],)
+            )
+            self.client_scores.update(c, *self._score_outputs(out, test.y[lo:hi]))
+            start += hi - lo
+
+    def _finetune_heads(
+        self, clients: list[int], glob: Params, heads: list[Params], round_idx: int, finetune: FineTune
+    ) -> list[Params]:
+        """ "+FT" for many clients at once (the frozen body's features are computed once per chunk)."""
+        self.net.train()
+        out: list[Params] = []
+        for i in range(0, len(clients), 256):
+            chunk = clients[i : i + 256]
+            ctx = self.vector_context(chunk, round_idx, [1.0] * len(chunk), tag="evaluation")
+            params = {n: v.expand(len(chunk), *v.shape) for n, v in glob.items()}
+            params.update(stack(heads[i : i + 256]))
+            tuned = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
+            out += [{n: tuned[n][k] for n in heads[0]} for k in range(len(chunk))]
+        return out
 
     def evaluate_and_log(self, round_idx: int) -> None:
         result = self.evaluate_clients(round_idx)

@@ -106,3 +106,34 @@ def test_unsupported_algorithm_falls_back_to_sequential(caplog):
     module = FederatedModule(Custom(1), DigitsMLP(), eval_every=100, executor="vectorized")
     fit(module, DigitsDataModule(num_clients=4, partition=Shards(5), clients_per_round=2, seed=0), rounds=2)
     assert caplog.text.count("falls back to 'sequential'") == 1
+
+
+def test_finetune_evaluation_is_the_same_on_both_paths():
+    from fl_lightning.module import FineTune
+
+    def run(executor):
+        L.seed_everything(0, verbose=False)
+        module = FederatedModule(FedAvg(1), DigitsMLP(), eval_every=100, finetune=FineTune(5), executor=executor)
+        fit(module, DigitsDataModule(num_clients=10, partition=Shards(2), clients_per_round=3, seed=0), rounds=2)
+        return module.summary
+
+    seq, vec = run("sequential"), run("vectorized")
+    assert abs(seq["final"] - vec["final"]) < 1e-6 and seq["algorithm"] == vec["algorithm"] == "FedAvg+FT"
+
+
+def test_fast_evaluation_computes_body_features_once_not_per_client():
+    from fl_lightning.executors import FEATURE_CHUNK
+
+    calls = {"n": 0}
+    module = FederatedModule(FedRep(1, 1), DigitsMLP(), eval_every=100, executor="vectorized")
+    fit(module, DigitsDataModule(num_clients=20, partition=Shards(2), clients_per_round=4, seed=0), rounds=1)
+    module.net.body.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    fast = module.evaluate_clients(0)
+    test_rows = module.fed.test.x.shape[0]
+    assert calls["n"] == -(-test_rows // FEATURE_CHUNK) < 20
+    calls["n"] = 0
+    module.executor = "sequential"
+    slow = module.evaluate_clients(0)
+    assert calls["n"] == 20
+    torch.testing.assert_close(fast["acc_per_client"], slow["acc_per_client"])
+    torch.testing.assert_close(fast["loss_per_client"], slow["loss_per_client"], rtol=1e-5, atol=1e-6)
