@@ -101,7 +101,7 @@ def tuned(column: str, method: str) -> list[str]:
     if method == "l2gd" and column.startswith("femnist"):
         out += ["--model.lr", "0.001"]  # L2GD uses lr 0.001 on FEMNIST
     if method == "lg_fedavg":
-        out += [A + "personal", LG_LOCAL[column.split("_")[0].rstrip("0")]]
+        out += [A + "personal", LG_LOCAL["cifar" if column.startswith("cifar") else column.split("_")[0]]]
     return out
 
 
