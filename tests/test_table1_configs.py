@@ -69,3 +69,49 @@ def test_dry_run(column, method, fixtures, tmp_path):
     assert summary["rounds"] == 1
     assert 0.0 <= summary["last10"] <= 1.0 and not math.isnan(summary["last10"])
     assert summary["algorithm"].endswith("+FT") == method.endswith("_ft")
+
+
+def test_runner_applies_the_papers_column_settings():
+    """Spec 000 §2.4 / §3.2: the dataset-specific values the runner adds to the method configs."""
+    from fl_lightning.reproduce.table1 import tuned
+
+    def opts(column, method):
+        args = tuned(column, method)
+        return {k.split(".")[-1]: v for k, v in zip(args[::2], args[1::2])}
+
+    assert opts("cifar10_100x2", "fedavg")["local_epochs"] == "1"
+    assert opts("cifar10_1000x2", "fedavg")["local_epochs"] == "5"
+    assert opts("cifar10_100x5", "fedrep")["body_epochs"] == "1"
+    assert opts("cifar100_100x20", "fedrep")["body_epochs"] == "5"
+    assert opts("femnist_150x3", "fedprox")["mu"] == opts("sent140_183x2", "fedprox_ft")["mu"] == "0.25"
+    assert "mu" not in opts("cifar10_100x2", "fedprox")  # 0.1 from configs/methods/fedprox.yaml
+    assert opts("femnist_150x3", "scaffold")["server_lr"] == "0.5"
+    assert opts("cifar100_100x5", "ditto")["lam"] == "1.0" and "lam" not in opts("cifar10_100x2", "ditto")
+    assert opts("cifar100_100x5", "l2gd")["alpha"] == "0.1" and "alpha" not in opts("cifar100_100x20", "l2gd")
+    assert opts("femnist_150x3", "l2gd")["lr"] == "0.001"
+    assert opts("cifar10_100x2", "lg_fedavg")["personal"] == "[body.conv1.,body.conv2.]"
+
+
+def test_paper_table_matches_the_spec_differences():
+    """The transcribed Table 1 reproduces spec 000 §4.1's derived differences."""
+    from fl_lightning.reproduce.table1 import PAPER
+
+    def diff(a, b):
+        return [round(x - y, 2) for x, y in zip(PAPER[a], PAPER[b])]
+
+    assert diff("fedrep", "fedper") == [0.57, 1.84, 1.54, 3.15, 0.42, 0.29, 1.65]
+    assert diff("fedrep", "fedavg_ft") == [0.05, 2.00, 1.23, -0.19, 0.66, 0.49, 6.15]
+    assert diff("fedrep", "fedavg") == [45.05, 23.90, 38.96, 55.21, 24.13, 19.66, 26.92]
+
+
+def test_runner_on_digits_writes_table_and_results(tmp_path, capsys):
+    import json
+
+    from fl_lightning.reproduce.table1 import main
+
+    assert main(["--dataset", "digits", "--methods", "fedavg", "fedrep", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"results: {tmp_path / 'results.json'}"
+    assert "FedRep" in out and (tmp_path / "table1.csv").exists() and (tmp_path / "table1_digits_20x2.png").exists()
+    rows = [r for r in json.loads((tmp_path / "results.json").read_text()) if r["metric"] == "acc_last10"]
+    assert {r["method"] for r in rows} == {"fedavg", "fedrep"} and all(0 <= r["value"] <= 1 for r in rows)
