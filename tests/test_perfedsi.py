@@ -96,6 +96,32 @@ def test_mask_branch_is_h_of_elementwise_product(mask):
         assert torch.equal(PerFedSIMask(mask="learned").side.embed.weight, torch.ones(64, 4))
 
 
+def test_side_batchnorm_keeps_and_uses_per_group_statistics():
+    net = PerFedSIMask(num_classes=6, groups=4, mask="fixed", in_channels=1, image_size=16, width=8, norm="side")
+    sd = randomize(net, seed=2)
+    x, z = torch.randn(4, 1, 16, 16), torch.eye(4)[[3, 1, 0, 1]]
+    g = x
+    for i in range(1, 4):
+        g = ref_block(g, sd, f"body.conv{i}.")
+    w = torch.stack([z[:, c // 2] for c in range(8)], 1)
+    h = F.conv2d(g * w[:, :, None, None], sd["head.conv4.conv.weight"], sd["head.conv4.conv.bias"], padding=1)
+    mean, var = z @ sd["head.conv4.bn.running_mean"], z @ sd["head.conv4.bn.running_var"]  # each sample's group row
+    h = (h - mean[:, :, None, None]) / torch.sqrt(var[:, :, None, None] + 1e-5)
+    h = h * sd["head.conv4.bn.weight"][:, None, None] + sd["head.conv4.bn.bias"][:, None, None]
+    expected = F.max_pool2d(h.clamp(min=0), 2).flatten(1) @ sd["head.fc.weight"].T + sd["head.fc.bias"]
+    torch.testing.assert_close(net(x, z), expected, rtol=1e-5, atol=1e-6)
+    # training on a batch of group 2 moves only row 2 of the statistics, by momentum 0.1 towards the batch's
+    net.train()
+    before = {n: b.clone() for n, b in net.named_buffers() if n.startswith("head.conv4.bn")}
+    feats = net.side(net.body(x), torch.eye(4)[[2] * 4])
+    pre = net.head.conv4.conv(feats)
+    net(x, torch.eye(4)[[2] * 4])
+    rm, rv = net.head.conv4.bn.running_mean, net.head.conv4.bn.running_var
+    torch.testing.assert_close(rm[[0, 1, 3]], before["head.conv4.bn.running_mean"][[0, 1, 3]])
+    torch.testing.assert_close(rm[2], 0.9 * before["head.conv4.bn.running_mean"][2] + 0.1 * pre.mean((0, 2, 3)))
+    torch.testing.assert_close(rv[2], 0.9 * before["head.conv4.bn.running_var"][2] + 0.1 * pre.var((0, 2, 3)))
+
+
 def test_bad_model_configs_are_one_line_errors():
     with pytest.raises(ConfigError, match="do not split into 3 groups"):
         PerFedSIMask(groups=3, width=64)
@@ -103,6 +129,8 @@ def test_bad_model_configs_are_one_line_errors():
         ConvNet4(image_size=8)
     with pytest.raises(ConfigError, match="'fixed' or 'learned'"):
         PerFedSIMask(mask="soft")
+    with pytest.raises(ConfigError, match="'shared' or 'side'"):
+        PerFedSIMask(norm="group")
 
 
 # ---- feature shift --------------------------------------------------------------------------------------

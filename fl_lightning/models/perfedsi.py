@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
 from fl_lightning.errors import ConfigError
@@ -110,6 +111,60 @@ class PerFedSIConcat(SplitModel):
         self.embedding_dim = width * s * s
 
 
+class SideBatchNorm2d(nn.Module):
+    """BatchNorm2d with running statistics per side-information group (``running_mean``/``running_var`` are
+    ``[groups, C]``; γ, β shared). Training normalises with the batch statistics and moves row g by
+    ``momentum · (share of the batch with z = e_g)``; evaluation normalises with ``zᵀ running_*``.
+    In the engine every batch belongs to one client, hence one group."""
+
+    def __init__(self, channels: int, groups: int, momentum: float = 0.1, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(groups, channels))
+        self.register_buffer("running_var", torch.ones(groups, channels))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        if self.training:
+            mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+            n = x.numel() // x.shape[1]
+            with torch.no_grad():
+                share = self.momentum * z.float().mean(0).unsqueeze(1)
+                self.running_mean.mul_(1 - share).add_(share * mean)
+                self.running_var.mul_(1 - share).add_(share * var * n / max(n - 1, 1))
+            mean, var = mean.expand(x.shape[0], -1), var.expand(x.shape[0], -1)
+        else:
+            mean, var = z @ self.running_mean, z @ self.running_var
+        scale = self.weight / torch.sqrt(var + self.eps)
+        return (x - mean[:, :, None, None]) * scale[:, :, None, None] + self.bias[:, None, None]
+
+
+class SideConvBlock(nn.Module):
+    """``conv_block`` whose BatchNorm keeps per-group statistics (``SideBatchNorm2d``); ``forward(x, z)``."""
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.bn = SideBatchNorm2d(out_channels, groups)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        return self.pool(torch.relu(self.bn(self.conv(x), z)))
+
+
+class SideHead(nn.Module):
+    """PerFedSIMask's head with ``norm="side"``: conv4 (per-group BN statistics) → flatten → linear."""
+
+    def __init__(self, width: int, groups: int, features: int, num_classes: int) -> None:
+        super().__init__()
+        self.conv4 = SideConvBlock(width, width, groups)
+        self.fc = nn.Linear(features, num_classes)
+
+    def forward(self, h: Tensor, z: Tensor) -> Tensor:
+        return self.fc(self.conv4(h, z).flatten(1))
+
+
 class PerFedSIMask(SplitModel):
     """PerFedSI Model 2 (spec 002 eq. 4): ``f(x, z) = H(G(x) ⊙ W(z))`` with the mask after the conv-3 block.
 
@@ -118,6 +173,12 @@ class PerFedSIMask(SplitModel):
             z keeps one quarter of the channels and zeroes the rest); ``learned`` = reading (b),
             ``W(z) = Wᵀz`` with ``W ∈ R^{groups×width}`` initialised to ones.
         groups: side-information dimension (4 shift groups).
+        norm: BatchNorm statistics of conv4, the layer after the mask. ``shared`` (the paper's network read
+            literally): one set of running statistics, averaged by FedAvg like every buffer. ``side`` (our
+            option, not in the paper): one set per side-information group, selected by z
+            (``SideBatchNorm2d``). With a fixed mask, conv4's input channels differ by group, so its batch
+            statistics do too, and evaluating with their cross-group average mis-normalises every group.
+            Still fully global and trained with plain FedAvg.
     """
 
     def __init__(
@@ -128,8 +189,11 @@ class PerFedSIMask(SplitModel):
         in_channels: int = 3,
         image_size: int = 32,
         width: int = 64,
+        norm: Literal["shared", "side"] = "shared",
     ) -> None:
         s = _spatial(image_size, 4)
+        if norm not in ("shared", "side"):
+            raise ConfigError(f"PerFedSIMask.norm must be 'shared' or 'side', got {norm!r}")
         if mask == "fixed":
             if width % groups:
                 raise ConfigError(f"PerFedSIMask: width={width} channels do not split into {groups} groups")
@@ -140,11 +204,21 @@ class PerFedSIMask(SplitModel):
         else:
             raise ConfigError(f"PerFedSIMask.mask must be 'fixed' or 'learned', got {mask!r}")
         body = nn.Sequential(conv_stack(in_channels, width, range(1, 4)))
-        head = nn.Sequential(
+        head: nn.Module = nn.Sequential(
             OrderedDict(
                 **conv_stack(in_channels, width, range(4, 5)),
                 flatten=nn.Flatten(),
                 fc=nn.Linear(width * s * s, num_classes),
             )
         )
+        if norm == "side":
+            head = SideHead(width, groups, width * s * s, num_classes)
         super().__init__(body, head, Mask(embed))
+        self.norm = norm
+
+    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
+        if self.norm == "shared":
+            return super().forward(x, side)
+        if side is None:
+            raise ValueError("this model has a side-information branch but the data provide no side tensor")
+        return self.head(self.side(self.body(x), side), side)
