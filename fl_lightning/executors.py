@@ -13,9 +13,9 @@ Work that does not change the result is skipped:
 * a phase that trains only the head, with no side branch and no augmentation, computes the frozen body's
   features once per client and round (one batched pass when all clients share the body) and trains the heads
   on them;
-* steps are ``vmap``-ed over clients for models without convolutions; convolutional phases run client by client
-  (``torch.func`` batches per-client conv weights as grouped convolutions, which is slower on CPU), in
-  ``channels_last`` memory format.
+* steps are ``vmap``-ed over clients for heads and models without convolutions; convolutional phases run
+  client by client with plain autograd in ``channels_last`` memory format (``vmap`` over per-client conv weights
+  and ``torch.func.grad`` were both slower than that on CPU).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from fl_lightning.local import ClientOptimizer, Params, Penalty, select
+from fl_lightning.local import ClientContext, ClientOptimizer, Params, Penalty, select
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
 
@@ -79,7 +79,7 @@ class VectorizedContext:
         self.augment, self.round, self.seed, self.step_budgets = augment, round_idx, seed, list(step_budgets)
         self.cache_features = cache_features
         self.loop_over_clients = has_conv(net) if loop_over_clients is None else loop_over_clients
-        self.param_names = [n for n, _ in net.named_parameters()]
+        self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
         device = xs[0].device if xs else torch.device("cpu")
         self.sizes = torch.tensor([x.shape[0] for x in xs], device=device)
         self.train_loss: Tensor = torch.zeros(len(xs), device=device)
@@ -181,6 +181,8 @@ class VectorizedContext:
         if self._head_only(trainable):
             inputs, module = self._features(out), self.net.head
             names = {n: n[len("head.") :] for n in out if n.startswith("head.")}
+        elif self.loop_over_clients:
+            return self._sgd_client_by_client(out, trainable, epochs, penalty, lr, max_steps)
         else:
             inputs, module = self.xs, self.net
             names = {n: n for n in out}
@@ -216,14 +218,9 @@ class VectorizedContext:
                 active = active_all[:, b] & (steps < limits_t)
                 if not bool(active.any()):
                     continue
-                if self.loop_over_clients:
-                    grads, losses = self._loop_grads(
-                        value_and_grad, train, frozen, xb_all[:, b], yb_all[:, b], mask_all[:, b], active
-                    )
-                else:
-                    safe_mask = mask_all[:, b].clone()
-                    safe_mask[~active, 0] = 1.0  # inactive clients compute a throwaway loss (masked below)
-                    grads, losses = vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
+                safe_mask = mask_all[:, b].clone()
+                safe_mask[~active, 0] = 1.0  # inactive clients compute a throwaway loss (masked below)
+                grads, losses = vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
                 for n, g in grads.items():
                     a = active.view(-1, *([1] * (g.dim() - 1)))
                     if wd:
@@ -236,16 +233,35 @@ class VectorizedContext:
         out.update(train)
         return {n: v.detach() for n, v in out.items()}
 
-    def _loop_grads(self, value_and_grad, train, frozen, xb, yb, mb, active) -> tuple[Params, Tensor]:
-        """Per-client gradients one client at a time (conv models on CPU), channels_last inputs."""
-        grads = {n: torch.zeros_like(v) for n, v in train.items()}
-        losses = torch.zeros(self.num_clients, device=xb.device)
-        for k in torch.nonzero(active).flatten().tolist():
-            x = xb[k]
-            if x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
-            g, loss = value_and_grad(unstack(train, k), unstack(frozen, k), x, yb[k], mb[k])
-            for n in grads:
-                grads[n][k] = g[n]
-            losses[k] = loss
-        return grads, losses
+    def _sgd_client_by_client(
+        self,
+        params: Params,
+        trainable: Sequence[str],
+        epochs: int,
+        penalty: Penalty | None,
+        lr: float | None,
+        max_steps: int | None,
+    ) -> Params:
+        """Conv phases: each client in turn with plain autograd in ``channels_last`` (faster than batching
+        per-client conv weights on CPU); same generators, so the same batches as the sequential loop."""
+        results, losses = [], []
+        for k, client in enumerate(self.clients):
+            ctx = ClientContext(
+                self.net,
+                client,
+                self.xs[k],
+                self.ys[k],
+                None if self.sides is None else self.sides[k],
+                self.optimizer,
+                lambda out, y: self.per_sample_loss(out, y).mean(),
+                self.generators[k],
+                self.augment,
+                self.round,
+                self.seed,
+                self.step_budgets[k],
+                channels_last=True,
+            )
+            results.append(ctx.sgd(unstack(params, k), trainable, epochs, penalty, lr, max_steps))
+            losses.append(ctx.train_loss)
+        self.train_loss = torch.tensor(losses, device=self.sizes.device)
+        return {n: v.contiguous() for n, v in stack(results).items()}

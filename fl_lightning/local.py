@@ -61,11 +61,13 @@ class ClientContext:
         round_idx: int = 0,
         seed: int = 0,
         step_budget: float = 1.0,
+        channels_last: bool = False,
     ) -> None:
         self.net, self.client, self.x, self.y, self.side = net, client, x, y, side
         self.optimizer, self.loss_fn, self.generator, self.augment = optimizer, loss_fn, generator, augment
         self.round, self.seed, self.step_budget = round_idx, seed, step_budget
-        self.param_names = [n for n, _ in net.named_parameters()]
+        self.channels_last = channels_last  # conv speed-up used by the vectorized executor; same values
+        self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
         self.train_loss = 0.0
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
@@ -99,6 +101,8 @@ class ClientContext:
             x = self.x[idx]
             if self.augment is not None:
                 x = self.augment(x, self.generator)
+            if self.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
             yield x, self.y[idx]
 
     def sgd(
@@ -117,6 +121,8 @@ class ClientContext:
         Returns a new dict; ``params`` is not modified.
         """
         out = {n: t.detach().clone() for n, t in params.items()}
+        if self.channels_last:
+            out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
         if not trainable or epochs <= 0:
             return out
         leaves = {n: out[n].requires_grad_(True) for n in trainable}

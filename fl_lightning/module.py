@@ -143,6 +143,7 @@ class FederatedModule(L.LightningModule):
                     f"personal prefix '{prefix}' of {type(self.algorithm).__name__} matches no parameter of "
                     f"{type(self.net).__name__} (parameters: {', '.join(n for n, _ in self.net.named_parameters())})"
                 )
+        self.algorithm.frozen = frozenset(n for n, p in self.net.named_parameters() if not p.requires_grad)
         if self.bank is None or self.bank.num_clients != fed.num_clients:
             self.algorithm.setup(glob, fed.num_clients)
             self.bank = ClientStateBank(self.algorithm.init_client_state(glob), fed.num_clients).to(self.device)
@@ -162,7 +163,8 @@ class FederatedModule(L.LightningModule):
         self._fit_start = time.perf_counter()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.net.parameters(), lr=self.hparams.server_lr, momentum=self.hparams.server_momentum)
+        trainable = [p for p in self.net.parameters() if p.requires_grad]
+        return torch.optim.SGD(trainable, lr=self.hparams.server_lr, momentum=self.hparams.server_momentum)
 
     # ---- clients -----------------------------------------------------------------------------------------
     def client_context(

@@ -174,3 +174,21 @@ def test_aggregation_weights_uniform_vs_num_samples():
         for n, p in module.net.named_parameters():
             expected = init[n] + sum(wi * (u[n] - init[n]) for wi, (_, u) in zip(w, uploads)) / w.sum()
             torch.testing.assert_close(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_parameters_never_train_and_are_never_uploaded():
+    net = DigitsMLP()
+    net.body.fc1.weight.requires_grad_(False)
+    frozen = net.body.fc1.weight.detach().clone()
+    seen: list[str] = []
+    module = FederatedModule(FedAvg(1), net, eval_every=100)
+    original_attach = module.attach_data
+
+    def attach_and_observe(fed):
+        original_attach(fed)
+        module.ledger.observers.append(lambda r, c, t: seen.extend(t))
+
+    module.attach_data = attach_and_observe
+    fit(module, digits(), rounds=2)
+    assert torch.equal(module.net.body.fc1.weight, frozen)
+    assert seen and "body.fc1.weight" not in seen and "body.fc1.bias" in seen

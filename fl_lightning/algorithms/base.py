@@ -53,8 +53,12 @@ class Algorithm(nn.Module):
     def is_personal(self, name: str) -> bool:
         return any(name.startswith(p) for p in self.personal)
 
+    #: parameters with ``requires_grad=False`` (e.g. frozen GloVe embeddings); set by the engine. They never
+    #: change, so they are neither uploaded nor sent.
+    frozen: frozenset[str] = frozenset()
+
     def shared_names(self, params: Params) -> list[str]:
-        return [n for n in params if not self.is_personal(n)]
+        return [n for n in params if not self.is_personal(n) and n not in self.frozen]
 
     def personal_names(self, params: Params) -> list[str]:
         return [n for n in params if self.is_personal(n)]

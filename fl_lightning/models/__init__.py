@@ -1,5 +1,6 @@
 """Split models (shared body, personal head, optional side-information branch) and the papers' networks."""
 
+from fl_lightning.models.benchmark import FedAvgCNN
 from fl_lightning.models.digits import DigitsCNN, DigitsMLP
 from fl_lightning.models.fedrep import CifarCNN, FemnistMLP, Sent140LSTM
 from fl_lightning.models.linear import LinearRepresentation
@@ -8,6 +9,7 @@ from fl_lightning.models.split import Concat, GroupExpand, Mask, SplitModel
 from fl_lightning.models.transfer import TransferCNN
 
 __all__ = [
+    "FedAvgCNN",
     "CifarCNN",
     "Concat",
     "DigitsCNN",
@@ -23,3 +25,7 @@ __all__ = [
     "SplitModel",
     "TransferCNN",
 ]
+
+from fl_lightning.models.regression import ClusteredLinear, LowRankFactors  # noqa: E402
+
+__all__ += ["ClusteredLinear", "LowRankFactors"]

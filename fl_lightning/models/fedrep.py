@@ -51,14 +51,22 @@ class FemnistMLP(SplitModel):
 class Sent140LSTM(SplitModel):
     """FedRep's Sent140 model (spec 000 §3.2): embedding → LSTM → fc → head (2 classes).
 
-    Tokens are ids into ``embedding`` (``vocab_size × embed_dim``); pass ``glove`` vectors through
-    ``Sent140DataModule`` to initialise and freeze it. The prediction uses the last time step's state.
+    Tokens are ids into ``embedding`` (``vocab_size × embed_dim``); ``Sent140DataModule(glove_path=...)``
+    initialises it with GloVe vectors, and ``freeze_embedding`` keeps it fixed (the paper's frozen GloVe).
+    The prediction uses the last time step's state.
     """
 
     def __init__(
-        self, vocab_size: int = 10000, embed_dim: int = 300, hidden: int = 128, fc: int = 10, num_classes: int = 2
+        self,
+        vocab_size: int = 10000,
+        embed_dim: int = 300,
+        hidden: int = 128,
+        fc: int = 10,
+        num_classes: int = 2,
+        freeze_embedding: bool = False,
     ) -> None:
         super().__init__(_LSTMBody(vocab_size, embed_dim, hidden, fc), nn.Linear(fc, num_classes))
+        self.body.embedding.weight.requires_grad_(not freeze_embedding)
 
 
 class _LSTMBody(nn.Module):
