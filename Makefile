@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: train test lint reproduce reproduce-digits bench clean
+.PHONY: train test lint reproduce reproduce-digits reproduce-table1-digits bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ reproduce-digits: $(STAMP)
 reproduce-table1-digits: $(STAMP)
 	$(PY) -m fl_lightning.reproduce table1 --dataset digits
 
-reproduce: reproduce-digits
+# every reproduction runner (each prints a table, writes PNGs and results/NAME/results.json)
+reproduce: $(STAMP)
+	@for name in $$($(PY) -c "from fl_lightning.reproduce.__main__ import available; print(' '.join(available()))"); do \
+		echo "== reproduce $$name"; $(PY) -m fl_lightning.reproduce $$name || exit 1; done
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.bench
 
 clean:
 	rm -rf runs results wandb lightning_logs
