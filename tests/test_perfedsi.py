@@ -357,3 +357,40 @@ def test_linear_toy_bias_floor_without_side_information_and_zero_error_with_it()
         partial = linear_bias_toy(False, seed=seed)
         assert abs(partial.bias_error.mean() / floor.mean() - 1) < 0.1
         assert linear_bias_toy(True, seed=seed).excess_risk.max() < 1e-3
+
+
+def write_omniglot(root, alphabets: int = 2, characters: int = 3, drawings: int = 20) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for a in range(alphabets):
+        part = "images_background" if a % 2 == 0 else "images_evaluation"
+        for c in range(characters):
+            folder = root / "omniglot-py" / part / f"Alphabet_{a}" / f"character{c:02d}"
+            folder.mkdir(parents=True)
+            for d in range(drawings):
+                pixels = (rng.random((20, 20)) > 0.2).astype(np.uint8) * 255
+                Image.fromarray(pixels).save(folder / f"{c:02d}_{d:02d}.png")
+
+
+def test_omniglot_concat_config_with_alphabet_embedding_runs_end_to_end(tmp_path):
+    from fl_lightning.cli import run
+
+    write_omniglot(tmp_path)
+    summary = run(
+        [
+            "--config", "configs/perfedsi/omniglot_m50.yaml",
+            "--config", "configs/perfedsi/perfedsi_concat.yaml",
+            "--data.init_args.base.init_args.num_clients", "2",
+            "--data.init_args.base.init_args.data_dir", str(tmp_path),
+            "--data.init_args.side.init_args.epochs", "1",
+            "--data.init_args.side.init_args.width", "8",
+            "--model.network.init_args.width", "8",
+            "--model.network.init_args.side_dim", "32",  # 8 channels · 2 · 2 for 32×32 images
+            "--trainer.max_steps", "2",
+            "--trainer.enable_checkpointing", "false",
+            "--trainer.enable_progress_bar", "false",
+            "--run_dir", str(tmp_path / "run"),
+        ]
+    )  # fmt: skip
+    assert summary["rounds"] == 2 and 0 <= summary["final"] <= 1
