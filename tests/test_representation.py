@@ -254,6 +254,17 @@ def test_fedrep_fig3_claims():
         assert final["FedRep", n] < final["10GD-GD", n] < final["GD-GD", n]
 
 
+def test_fedrep_fig7_gap_grows_with_n():
+    """Fig. 7 (r=1, projected-GD init): GD-GD's F over FedRep's F after 10 rounds grows with n."""
+    ratio = {}
+    for n in (10, 1000):
+        tasks = fr.make_tasks(4, n, 10, 10, 2, 1e-3, gen(21))
+        b0, w0 = fr.projected_gd_init(tasks.x, tasks.y, 2)
+        f = {steps: fr.fedrep(tasks, b0, w0, 10, 0.1, steps, 0.1).fvalue[-1].mean() for steps in (None, 1)}
+        ratio[n] = float(f[1] / f[None])
+    assert 1 < ratio[10] < ratio[1000] / 10
+
+
 def test_new_client_and_training_error_claims():
     """Fig. 1 / Fig. 4 at CI size: n=100, d=20, k=2, m=10, r=1."""
     trials, n, d, k, m = 3, 100, 20, 2, 10

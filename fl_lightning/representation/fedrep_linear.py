@@ -124,6 +124,7 @@ def fedrep(
     orthonormalize: bool = True,
     generator: torch.Generator | None = None,
     cohorts: Callable[[int], Tensor] | None = None,
+    track_fvalue: bool = True,
 ) -> FedRepRun:
     """FedRep (``head_steps=None``: exact least-squares heads) or GD-GD / 10GD-GD (``head_steps`` head GD steps).
 
@@ -131,12 +132,13 @@ def fedrep(
     step on B with the new head fixed, ∇_B f̂ᵢ = (1/m)Σⱼ(xⱼᵀBwᵢ − yⱼ)xⱼwᵢᵀ; the server averages the Bᵢ and
     (if ``orthonormalize``) keeps the Q factor. Heads of unsampled clients are unchanged. Each round
     ``clients_per_round`` clients are drawn per trial from ``generator``, or ``cohorts(t)`` (the same indices for
-    every trial, e.g. the engine's ``ClientSampler.sample``) when given.
+    every trial, e.g. the engine's ``ClientSampler.sample``) when given. ``fvalue`` is empty unless ``track_fvalue``.
     """
     x, y = tasks.x, tasks.y
     trials, n, m, _ = x.shape
     s = n if clients_per_round is None else clients_per_round
     b, w = b0.to(DTYPE).clone(), w0.to(DTYPE).expand(trials, n, -1).clone()
+    rows = torch.arange(trials)[:, None]
     dists, fvals = [distance(tasks.b_star, b)], [function_value(b, w, tasks.b_star, tasks.w_star)]
     for t in range(rounds):
         if cohorts is None and s == n:
@@ -145,10 +147,8 @@ def fedrep(
             if cohorts is not None:
                 idx = torch.as_tensor(cohorts(t)).long().expand(trials, -1)
             else:
-                idx = torch.rand(trials, n, generator=generator).argsort(1)[:, :s]
-            xs = torch.gather(x, 1, idx[:, :, None, None].expand(-1, -1, m, x.shape[3]))
-            ys = torch.gather(y, 1, idx[:, :, None].expand(-1, -1, m))
-            ws = torch.gather(w, 1, idx[:, :, None].expand(-1, -1, w.shape[2]))
+                idx = torch.rand(trials, n, generator=generator).topk(s, dim=1).indices
+            xs, ys, ws = x[rows, idx], y[rows, idx], w[rows, idx]
         feats = torch.einsum("tsmd,tdk->tsmk", xs, b)
         if head_steps is None:
             ws = fit_heads(feats, ys)
@@ -166,10 +166,12 @@ def fedrep(
         if idx is None:
             w = ws
         else:
-            w = w.scatter(1, idx[:, :, None].expand(-1, -1, w.shape[2]), ws)
+            w = w.clone()
+            w[rows, idx] = ws
         dists.append(distance(tasks.b_star, b))
-        fvals.append(function_value(b, w, tasks.b_star, tasks.w_star))
-    return FedRepRun(torch.stack(dists), torch.stack(fvals), b, w)
+        if track_fvalue:
+            fvals.append(function_value(b, w, tasks.b_star, tasks.w_star))
+    return FedRepRun(torch.stack(dists), torch.stack(fvals) if track_fvalue else torch.empty(0), b, w)
 
 
 def local_only(x: Tensor, y: Tensor, ridge: float = 1e-5) -> Tensor:

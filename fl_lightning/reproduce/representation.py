@@ -276,7 +276,9 @@ def fedrep_fig3(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -
         }
         for i, (init_name, (b0, w0)) in enumerate(inits.items()):
             for name, steps in METHODS:
-                run = fr.fedrep(tasks, b0, w0, rounds, 0.1, steps, 0.1, max(1, n // 10), generator=gen(22, j))
+                run = fr.fedrep(
+                    tasks, b0, w0, rounds, 0.1, steps, 0.1, max(1, n // 10), generator=gen(22, j), track_fvalue=False
+                )
                 med = run.dist.median(1).values
                 axes[i, j].semilogy(med, label=name)
                 ts = [t for t in (0, 50, 100, rounds) if t <= rounds]
@@ -300,23 +302,24 @@ def fedrep_fig7(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -
     plt = _plt()
     ms, ns, trials, rounds = cfg["fig7_m"], cfg["fig7_n"], cfg["trials"], cfg["fig7_rounds"]
     fig, axes = plt.subplots(len(ms), len(ns), figsize=(3.6 * len(ns), 3 * len(ms)), squeeze=False)
-    rows = []
+    rows, ts = [], sorted({min(10, rounds), min(50, rounds), rounds})
     for i, m in enumerate(ms):
         for j, n in enumerate(ns):
             tasks = fr.make_tasks(trials, n, m, 10, 2, 1e-3, gen(30, i, j))
             b0, w0 = fr.projected_gd_init(tasks.x, tasks.y, 2)
-            finals = {}
+            finals, means = {}, {}
             for name, steps in (("FedRep", None), ("GD-GD", 1)):
                 run = fr.fedrep(tasks, b0, w0, rounds, 0.1, steps, 0.1)
                 mean, half = run.fvalue.mean(1), ci95(run.fvalue, 1)
                 axes[i, j].semilogy(mean, label=name)
                 axes[i, j].fill_between(range(rounds + 1), (mean - half).clamp(min=1e-12), mean + half, alpha=0.3)
-                finals[name] = (float(mean[-1]), float(half[-1]))
+                finals[name], means[name] = (float(mean[-1]), float(half[-1])), mean
                 records.append(record("fedrep_fig7", name, f"F@{rounds}", finals[name][0], setting=f"m={m},n={n}"))
                 records.append(record("fedrep_fig7", name, f"F@{rounds}_ci95", finals[name][1], setting=f"m={m},n={n}"))
-            ratio = finals["GD-GD"][0] / finals["FedRep"][0]
-            records.append(record("fedrep_fig7", "GD-GD/FedRep", f"F_ratio@{rounds}", ratio, setting=f"m={m},n={n}"))
-            rows.append((m, n, *[f"{finals[k][0]:.3g} ± {finals[k][1]:.2g}" for k in ("FedRep", "GD-GD")], ratio))
+            ratios = [float(means["GD-GD"][t] / means["FedRep"][t]) for t in ts]
+            for t, ratio in zip(ts, ratios):
+                records.append(record("fedrep_fig7", "GD-GD/FedRep", f"F_ratio@{t}", ratio, setting=f"m={m},n={n}"))
+            rows.append((m, n, *[f"{finals[k][0]:.3g} ± {finals[k][1]:.2g}" for k in ("FedRep", "GD-GD")], *ratios))
             axes[i, j].set(title=f"m={m}, n={n}", xlabel="round", ylabel="F(W_t, B_t)")
             axes[i, j].legend(fontsize=8)
     fig.suptitle(f"FedRep Fig. 7: F(W, B), r=1, d=10, k=2, mean ± 95% CI of {trials} trials")
@@ -324,7 +327,8 @@ def fedrep_fig7(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -
     fig.savefig(out / "fedrep_fig7_fvalue.png", dpi=110)
     plt.close(fig)
     return [f"FedRep Fig. 7: F(W_T, B_T) at T={rounds}, mean ± 95% CI ({trials} trials, r=1)",
-            format_table(["m", "n", "FedRep", "GD-GD", "GD-GD / FedRep"], rows), ""]  # fmt: skip
+            format_table(["m", "n", f"FedRep F@{rounds}", f"GD-GD F@{rounds}", *[f"ratio@{t}" for t in ts]], rows),
+            ""]  # fmt: skip
 
 
 def fedrep_fig1_fig4(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
@@ -335,7 +339,7 @@ def fedrep_fig1_fig4(cfg: dict[str, Any], out: Path, records: list[dict[str, Any
     for m in cfg["fig1_m"]:
         tasks = fr.make_tasks(trials, n, m, d, k, 1e-3, gen(40, m))
         b0 = fr.random_init(trials, d, k, gen(41, m))
-        rep = fr.fedrep(tasks, b0, torch.zeros(trials, 1, k, dtype=F64), rounds, 0.1)
+        rep = fr.fedrep(tasks, b0, torch.zeros(trials, 1, k, dtype=F64), rounds, 0.1, track_fvalue=False)
         sgd = fa.fedavg(b0, torch.zeros(trials, k, dtype=F64), fa.sample_objectives(tasks.x, tasks.y), 0.1, 1, rounds)
         reps[m] = (tasks, rep, sgd)
         err = {
