@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import APFL, L2GD, Ditto, FedMTL, FedProx, PerFedAvg, Scaffold
+from fl_lightning.algorithms import APFL, L2GD, SCAFFOLD, Ditto, FedMTL, FedProx, PerFedAvg
 from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
@@ -85,7 +85,7 @@ def test_fedprox_gradient_is_loss_gradient_plus_mu_times_distance(setup):
 def test_scaffold_control_variate_update_option_ii(setup):
     ctx, x, y = setup
     glob = rand_params(4)
-    alg = Scaffold(local_epochs=3)
+    alg = SCAFFOLD(local_epochs=3)
     alg.setup(glob, num_clients=5)
     c, c_i = rand_params(5), rand_params(6)
     for n in NAMES:
@@ -266,7 +266,7 @@ def run_digits(algorithm, rounds=3, **module_kw):
 
 ALGORITHMS = {
     "fedprox": lambda: FedProx(mu=0.1),
-    "scaffold": lambda: Scaffold(),
+    "scaffold": lambda: SCAFFOLD(),
     "ditto": lambda: Ditto(lam=0.75),
     "apfl": lambda: APFL(alpha=0.25),
     "l2gd": lambda: L2GD(p=0.5),
@@ -290,7 +290,7 @@ def test_end_to_end_uploads_never_contain_personal_state(name):
         for n, p in module.net.named_parameters():
             prefix = "x." if isinstance(algorithm, L2GD) else "w."
             torch.testing.assert_close(p.detach(), module.bank.row(prefix + n).mean(0), rtol=1e-4, atol=1e-6)
-    if isinstance(algorithm, Scaffold):  # c = mean_i c_i (all start at 0, uniform means)
+    if isinstance(algorithm, SCAFFOLD):  # c = mean_i c_i (all start at 0, uniform means)
         for n, c in algorithm.server_variate().items():
             torch.testing.assert_close(c, module.bank.row("c_i." + n).mean(0), rtol=1e-4, atol=1e-6)
 

@@ -15,7 +15,7 @@ from fl_lightning.algorithms.linear_fedavg import LinearFedAvg
 from fl_lightning.algorithms.linear_fedrep import LinearFedRep
 from fl_lightning.algorithms.local_only import LocalOnly
 from fl_lightning.algorithms.perfedavg import PerFedAvg
-from fl_lightning.algorithms.scaffold import Scaffold
+from fl_lightning.algorithms.scaffold import SCAFFOLD
 
 __all__ = [
     "APFL",
@@ -24,7 +24,7 @@ __all__ = [
     "FedProx",
     "L2GD",
     "PerFedAvg",
-    "Scaffold",
+    "SCAFFOLD",
     "Algorithm",
     "ClientUpdate",
     "FedAvg",
@@ -36,3 +36,11 @@ __all__ = [
     "LinearFedRep",
     "LocalOnly",
 ]
+
+from fl_lightning.algorithms.alternating_gd import AlternatingGD  # noqa: E402
+from fl_lightning.algorithms.ifca import IFCA  # noqa: E402
+from fl_lightning.algorithms.lowrank_power import PowerInitLocalGD  # noqa: E402
+from fl_lightning.algorithms.moment_descent import FedMD  # noqa: E402
+from fl_lightning.algorithms.oneshot_kmeans import OneShotClustering  # noqa: E402
+
+__all__ += ["AlternatingGD", "FedMD", "IFCA", "OneShotClustering", "PowerInitLocalGD"]

@@ -13,9 +13,9 @@ Clients are evaluated with x_i.
 
 Choices, following the authors' code where the paper is silent (spec §8.2 [CODE]):
 η = α / (N(1−p)) in the aggregation step (α = 0.25, λ = 1; α = 0.1 on CIFAR-100 (100,5)); the local SGD
-uses the run's lr (0.01; 0.001 on FEMNIST, spec §3.2). The code samples every client in L2GD; here
-the run's participation applies (the paper: r = 0.1 for all methods), so a round's step reaches only
-the sampled clients. Set ``data.participation: 1`` to follow the code.
+uses the run's lr (0.01; 0.001 on FEMNIST, spec §3.2). The code samples every client in L2GD, the
+paper says r = 0.1 for all methods: the algorithm works with any participation (a round's step reaches
+only the sampled clients); the method configs set ``data.participation: 1`` as the code does.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def local_steps(ctx: ClientContext, epochs: int) -> int:
     return epochs * math.ceil(ctx.num_samples / ctx.optimizer.batch_size)
 
 
-class Scaffold(CohortCounter, Algorithm):
+class SCAFFOLD(CohortCounter, Algorithm):
     def __init__(self, local_epochs: int = 1) -> None:
         super().__init__()
         self.local_epochs = local_epochs
