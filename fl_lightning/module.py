@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -72,6 +73,8 @@ class FederatedModule(L.LightningModule):
         client_dropout: simulated faults: probability that a sampled client fails before reporting.
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
+        new_client_finetune: how held-out clients (``datamodule.new_clients``) adapt before they are evaluated
+            at the end of training (default: 10 head epochs).
         executor: ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.executors``: all
             sampled clients at once, frozen-body features computed once, same results).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
@@ -95,6 +98,7 @@ class FederatedModule(L.LightningModule):
         stragglers: float = 0.0,
         straggler_budget: float = 0.5,
         executor: Literal["sequential", "vectorized"] = "sequential",
+        new_client_finetune: FineTune | None = None,
     ) -> None:
         super().__init__()
         for name, value in {
@@ -112,9 +116,10 @@ class FederatedModule(L.LightningModule):
             raise ConfigError(f"model.straggler_budget is a fraction in (0, 1], got {straggler_budget}")
         if eval_last < 0 or momentum < 0 or weight_decay < 0:
             raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
-        self.save_hyperparameters(ignore=["algorithm", "network", "finetune"])
+        self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune"])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.executor = executor
+        self.new_client_finetune = new_client_finetune or FineTune(epochs=10, prefixes=("head.",))
         self._fallback_logged = False
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
@@ -397,18 +402,24 @@ class FederatedModule(L.LightningModule):
                 total[j] += v
         return total[0], int(total[1]), total[2]
 
-    def evaluate_clients(self, round_idx: int, finetune: FineTune | None = None) -> dict[str, Tensor]:
+    def evaluate_clients(
+        self, round_idx: int, finetune: FineTune | None = None, state_of: Callable[[int], Params] | None = None
+    ) -> dict[str, Tensor]:
         """Every client evaluates (global shared + its own personal state) on its own test split."""
         was_training = self.net.training
         glob = self.global_params()
         self.client_scores.reset()
         world, rank = (self._trainer.world_size, self.global_rank) if self._trainer is not None else (1, 0)
         mine = list(range(rank, self.fed.num_clients, world))
+        state_of = state_of or self.bank.get
+        if state_of is not self.bank.get and self.executor == "vectorized":
+            mine_states = {c: state_of(c) for c in mine}
+            state_of = mine_states.__getitem__
         if self._shared_body_evaluation(finetune):
-            self._evaluate_with_shared_body(mine, glob, round_idx, finetune)
+            self._evaluate_with_shared_body(mine, glob, round_idx, finetune, state_of)
         else:
             for c in mine:
-                params = self.algorithm.client_model(glob, self.bank.get(c))
+                params = self.algorithm.client_model(glob, state_of(c))
                 self.net.train(was_training)
                 ctx = self.client_context(c, round_idx, tag="evaluation")
                 params = self.algorithm.adapt_for_evaluation(ctx, params)
@@ -435,11 +446,16 @@ class FederatedModule(L.LightningModule):
 
     @torch.no_grad()
     def _evaluate_with_shared_body(
-        self, clients: list[int], glob: Params, round_idx: int, finetune: FineTune | None
+        self,
+        clients: list[int],
+        glob: Params,
+        round_idx: int,
+        finetune: FineTune | None,
+        state_of: Callable[[int], Params],
     ) -> None:
         """Test features once with the global body for all clients, then each client's head on its rows."""
         heads = [
-            {n: v for n, v in self.algorithm.client_model(glob, self.bank.get(c)).items() if n.startswith("head.")}
+            {n: v for n, v in self.algorithm.client_model(glob, state_of(c)).items() if n.startswith("head.")}
             for c in clients
         ]
         if finetune is not None:
@@ -499,6 +515,19 @@ class FederatedModule(L.LightningModule):
         self.last_client_scores = result
         self.log_dict(metrics, prog_bar=True)
 
+    def evaluate_new_clients(self, round_idx: int, new: FederatedData) -> dict[str, Tensor]:
+        """Clients that never trained (FedRep Fig. 6, spec 004 transfer): each starts from the global model
+        with a fresh personal state (the initial personal parameters), fine-tunes ``new_client_finetune``
+        on its own training data, and is evaluated on its own test data."""
+        saved = self.fed, self.client_scores
+        fresh = self.algorithm.init_client_state(self.global_params())
+        try:
+            self.fed = new.to(self.device)
+            self.client_scores = PerClientScores(new.num_clients).to(self.device)
+            return self.evaluate_clients(round_idx, self.new_client_finetune, state_of=lambda c: fresh)
+        finally:
+            self.fed, self.client_scores = saved
+
     def final_evaluation(self, round_idx: int) -> None:
         """At the last round: the "+FT" evaluation if configured, and the run summary for the table."""
         last = self.history[-1] if self.history else {}
@@ -514,6 +543,11 @@ class FederatedModule(L.LightningModule):
         }
         if "val/dist_B" in last:
             summary["dist_B"] = last["val/dist_B"]
+        new = getattr(getattr(self._trainer, "datamodule", None), "new_clients", None)
+        if isinstance(new, FederatedData) and self.fed.num_classes is not None:
+            result = self.evaluate_new_clients(round_idx, new)
+            summary["new_clients_acc"] = float(result["acc_mean"])
+            self.log("final/new_clients_acc", float(result["acc_mean"]))
         if self.finetune is not None:
             result = self.evaluate_clients(round_idx, finetune=self.finetune)
             summary["final"] = summary["last10"] = float(result["acc_mean"])

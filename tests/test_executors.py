@@ -137,3 +137,24 @@ def test_fast_evaluation_computes_body_features_once_not_per_client():
     assert calls["n"] == 20
     torch.testing.assert_close(fast["acc_per_client"], slow["acc_per_client"])
     torch.testing.assert_close(fast["loss_per_client"], slow["loss_per_client"], rtol=1e-5, atol=1e-6)
+
+
+def test_new_clients_fine_tune_a_fresh_head_and_both_paths_agree():
+    class WithNewClients(DigitsDataModule):
+        def setup(self, stage=None):
+            super().setup(stage)
+            other = DigitsDataModule(num_clients=5, partition=Shards(2), seed=7)
+            other.setup()
+            self.new_clients = other.federated
+
+    def run(executor):
+        L.seed_everything(0, verbose=False)
+        module = FederatedModule(FedRep(2, 1), DigitsMLP(), eval_every=100, executor=executor)
+        dm = WithNewClients(num_clients=10, partition=Shards(2), clients_per_round=5, seed=0)
+        fit(module, dm, rounds=3)
+        return module
+
+    seq, vec = run("sequential"), run("vectorized")
+    assert 0.0 <= seq.summary["new_clients_acc"] <= 1.0
+    assert abs(seq.summary["new_clients_acc"] - vec.summary["new_clients_acc"]) < 1e-6
+    assert seq.bank.num_clients == 10  # the training clients' bank is untouched by new clients
