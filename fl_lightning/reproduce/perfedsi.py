@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results/perfedsi"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(1)  # small models: threads only add contention on a shared 2-core machine
 
     records: list = []
     checks: list[tuple[str, bool]] = []
