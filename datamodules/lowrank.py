@@ -1,0 +1,185 @@
+"""Matrices split by rows across clients for federated low-rank factorisation (spec 003 §4.1–4.2).
+
+A client's inputs are its local row indices 0..nᵢ−1 and its targets the rows of Sⁱ (float64), so the
+engine's evaluation of ``LowRankFactors`` is the reconstruction of Sⁱ. Sources:
+
+* ``synthetic``: S = U_X V_Xᵀ + E, U_X, V_X orthonormal (QR of Gaussians, spec 003 §4.2 suggestion), the
+  first ``rank`` singular values 1, E ~ N(0, noise²); N = 25 clients × 200 rows, d = 200, rank 5;
+* ``digits``: the bundled sklearn 8×8 digits (the mnist stand-in), one digit per client (10 clients),
+  d = 64, pixels scaled to [−1, 1] like the paper's code does for mnist;
+* ``w8a``: a LIBSVM file (``path``), densified to 300 columns, split into contiguous blocks (spec 003 §4.1 [code]);
+* ``mnist``: the raw idx files (``path``/train-images-idx3-ubyte, train-labels-idx1-ubyte) — the first
+  ``max_rows`` images (6000 in the paper), one digit per client, scaled to [−1, 1];
+* ``celeba``: ``path``/identity_CelebA.txt and ``path``/img_align_celeba/*.jpg — identities 1..N, centre
+  crop 148, resize 32, channels concatenated (d = 3072, spec 003 §4.1 [code]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from datamodules.base import FederatedDataModule
+from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.errors import ConfigError
+
+Source = Literal["synthetic", "digits", "w8a", "mnist", "celeba"]
+
+
+def synthetic_lowrank(
+    num_clients: int, rows: int, dim: int, rank: int, noise: float, generator: torch.Generator
+) -> Tensor:
+    """S = U_X V_Xᵀ + E (n×d, float64), n = num_clients·rows."""
+    n = num_clients * rows
+    ux, _ = torch.linalg.qr(torch.randn(n, rank, generator=generator, dtype=torch.float64))
+    vx, _ = torch.linalg.qr(torch.randn(dim, rank, generator=generator, dtype=torch.float64))
+    return ux @ vx.T + noise * torch.randn(n, dim, generator=generator, dtype=torch.float64)
+
+
+def digits_by_label() -> tuple[Tensor, Tensor]:
+    """sklearn digits as rows in [−1, 1] (d = 64) and their labels."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    return torch.as_tensor(data.data / 8.0 - 1.0, dtype=torch.float64), torch.as_tensor(data.target)
+
+
+def load_w8a(path: str | Path, num_features: int = 300) -> Tensor:
+    """A LIBSVM-format file as a dense float64 matrix (labels dropped)."""
+    from sklearn.datasets import load_svmlight_file
+
+    x, _ = load_svmlight_file(str(path), n_features=num_features)
+    return torch.as_tensor(x.toarray(), dtype=torch.float64)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    raw = path.read_bytes()
+    ndim = raw[3]
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def load_mnist(root: str | Path, max_rows: int = 6000) -> tuple[Tensor, Tensor]:
+    """The first ``max_rows`` MNIST training images (raw idx files) in [−1, 1], flattened, and labels."""
+    root = Path(root)
+    images = _read_idx(root / "train-images-idx3-ubyte")[:max_rows]
+    labels = _read_idx(root / "train-labels-idx1-ubyte")[:max_rows]
+    x = torch.as_tensor(images.reshape(len(images), -1) / 127.5 - 1.0, dtype=torch.float64)
+    return x, torch.as_tensor(labels.astype(np.int64))
+
+
+def load_celeba(root: str | Path, num_clients: int = 25, size: int = 32, crop: int = 148) -> tuple[Tensor, Tensor]:
+    """Images of identities 1..num_clients: centre crop, resize, channels concatenated → [n, 3·size²]."""
+    from PIL import Image
+
+    root = Path(root)
+    rows, owners = [], []
+    for line in (root / "identity_CelebA.txt").read_text().split("\n"):
+        if not line.strip():
+            continue
+        name, ident = line.split()
+        if 1 <= int(ident) <= num_clients:
+            img = Image.open(root / "img_align_celeba" / name).convert("RGB")
+            w, h = img.size
+            left, top = (w - crop) // 2, (h - crop) // 2
+            img = img.crop((left, top, left + crop, top + crop)).resize((size, size), Image.BILINEAR)
+            arr = np.asarray(img, dtype=np.float64) / 255.0  # [size, size, 3]
+            rows.append(arr.transpose(2, 0, 1).reshape(-1))
+            owners.append(int(ident) - 1)
+    return torch.as_tensor(np.stack(rows)), torch.as_tensor(owners)
+
+
+def split_rows(s: Tensor, sizes: list[int]) -> tuple[ClientSplit, ClientSplit]:
+    """Train and test splits of a row-split matrix: x = local row index, y = the row of S."""
+    ptr = torch.zeros(len(sizes) + 1, dtype=torch.long)
+    ptr[1:] = torch.tensor(sizes).cumsum(0)
+    idx = torch.cat([torch.arange(n) for n in sizes])
+    split = ClientSplit(idx, s, ptr)
+    return split, split
+
+
+class LowRankDataModule(FederatedDataModule):
+    """Spec 003's matrices, one row block per client. ``num_clients`` must match the source (digits,
+    mnist: 10 — one digit per client)."""
+
+    def __init__(
+        self,
+        source: Source = "synthetic",
+        num_clients: int = 25,
+        rows_per_client: int = 200,
+        dim: int = 200,
+        rank: int = 5,
+        noise: float = 0.0,
+        path: str | None = None,
+        max_rows: int = 6000,
+        clients_per_round: int | None = None,
+        participation: float | None = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(num_clients, clients_per_round, participation, seed)
+        if source not in ("synthetic", "digits", "w8a", "mnist", "celeba"):
+            raise ConfigError(f"LowRankDataModule: unknown source {source!r}")
+        if source in ("w8a", "mnist", "celeba") and (path is None or not Path(path).exists()):
+            raise ConfigError(f"LowRankDataModule: source {source} needs an existing data.path, got {path!r}")
+        if source in ("digits", "mnist") and num_clients != 10:
+            raise ConfigError(f"LowRankDataModule: {source} has one client per digit, so num_clients must be 10")
+        self.source, self.rows_per_client, self.dim, self.rank = source, rows_per_client, dim, rank
+        self.noise, self.path, self.max_rows = noise, path, max_rows
+
+    def matrix(self) -> tuple[Tensor, list[int]]:
+        """The whole matrix S (client-sorted rows) and the clients' row counts."""
+        if self.source == "synthetic":
+            g = torch.Generator().manual_seed(self.resolved_seed)
+            s = synthetic_lowrank(self.num_clients, self.rows_per_client, self.dim, self.rank, self.noise, g)
+            return s, [self.rows_per_client] * self.num_clients
+        if self.source == "w8a":
+            s = load_w8a(self.path, self.dim)
+            sizes = [len(b) for b in np.array_split(np.arange(len(s)), self.num_clients)]
+            return s, sizes
+        if self.source == "celeba":
+            x, owner = load_celeba(self.path, self.num_clients)
+        else:
+            x, owner = digits_by_label() if self.source == "digits" else load_mnist(self.path, self.max_rows)
+        order = torch.argsort(owner, stable=True)
+        sizes = torch.bincount(owner, minlength=self.num_clients).tolist()
+        if min(sizes) == 0:
+            raise ConfigError(f"LowRankDataModule: {self.source} has clients without rows ({sizes})")
+        return x[order], sizes
+
+    def build(self) -> FederatedData:
+        s, sizes = self.matrix()
+        train, test = split_rows(s, sizes)
+        return FederatedData(train, test, None, seed=self.resolved_seed)
+
+
+class LowRankMetrics(Callback):
+    """Logs log10 F = log10 ½Σ‖Sⁱ − UⁱVᵀ‖² and κ(V) after every round (spec 003 §6 item 9)."""
+
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank
+        self.history: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        v = pl_module.net.V.detach()
+        train, bank = pl_module.fed.train, pl_module.bank
+        loss = 0.0
+        for c in range(train.num_clients):
+            _, s = train.client(c)
+            u = bank.row("U")[c][: s.shape[0]]
+            loss += 0.5 * float(((s.to(v.dtype) - u @ v.T) ** 2).sum())
+        sv = torch.linalg.svdvals(v)
+        kappa = float(sv[0] / sv[(self.rank or v.shape[1]) - 1]) if float(sv[0]) > 0 else float("nan")
+        row = {"round": float(batch["round"]), "loss": loss, "kappa_V": kappa}
+        self.history.append(row)
+        pl_module.log_dict({"mf/loss": loss, "mf/kappa_V": kappa})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
