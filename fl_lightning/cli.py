@@ -73,8 +73,10 @@ def make_loggers(run_dir: Path, wandb: WandbOptions, config: dict[str, Any]) -> 
 
 
 def _make_cli_class():
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
+
+    from fl_lightning.progress import RoundProgressBar
 
     class FederatedCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -113,6 +115,10 @@ def _make_cli_class():
                         save_last=True,
                     )
                 )
+            if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
+                isinstance(c, ProgressBar) for c in callbacks
+            ):
+                callbacks.append(RoundProgressBar())
             kwargs["callbacks"] = callbacks
             return super().instantiate_trainer(**kwargs)
 

@@ -223,7 +223,7 @@ class VectorizedContext:
                 grads, losses = vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
                 for n, g in grads.items():
                     a = active.view(-1, *([1] * (g.dim() - 1)))
-                    if wd:
+                    if wd and (self.optimizer.decay_bias or not n.endswith("bias")):
                         g = g + wd * train[n]
                     buf[n] = torch.where(a, momentum * buf[n] + g, buf[n])
                     train[n] = torch.where(a, train[n] - lr * buf[n], train[n])

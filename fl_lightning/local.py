@@ -26,6 +26,7 @@ class ClientOptimizer:
     momentum: float = 0.5
     weight_decay: float = 0.0
     batch_size: int = 10
+    decay_bias: bool = True  # False: weight decay on weights only, as the FedRep authors' code does
 
 
 def select(names: Sequence[str], prefixes: Sequence[str]) -> list[str]:
@@ -126,11 +127,16 @@ class ClientContext:
         if not trainable or epochs <= 0:
             return out
         leaves = {n: out[n].requires_grad_(True) for n in trainable}
+        decay = self.optimizer.weight_decay
+        groups = [
+            {"params": [v for n, v in leaves.items() if self.optimizer.decay_bias or not n.endswith("bias")]},
+            {"params": [v for n, v in leaves.items() if not self.optimizer.decay_bias and n.endswith("bias")]},
+        ]
+        groups[0]["weight_decay"], groups[1]["weight_decay"] = decay, 0.0
         opt = torch.optim.SGD(
-            leaves.values(),
+            [g for g in groups if g["params"]],
             lr=self.optimizer.lr if lr is None else lr,
             momentum=self.optimizer.momentum,
-            weight_decay=self.optimizer.weight_decay,
         )
         if self.step_budget < 1.0:  # a simulated straggler stops early
             per_epoch = -(-self.num_samples // self.optimizer.batch_size)

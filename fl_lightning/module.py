@@ -65,7 +65,8 @@ class FederatedModule(L.LightningModule):
     Args:
         algorithm: the method's math (``fl_lightning.algorithms``).
         network: a ``SplitModel``; its parameters are the initial global (and personal) parameters.
-        lr, momentum, weight_decay, batch_size: the clients' local SGD.
+        lr, momentum, weight_decay, batch_size: the clients' local SGD; ``decay_bias=False`` applies weight
+            decay to weights only (the FedRep authors' code uses 1e-4 that way; the paper does not say).
         aggregation: weight client uploads ``uniform``-ly or by ``num_samples``.
         server_lr, server_momentum: the server optimiser (SGD; lr 1 and momentum 0 is FedAvg).
         eval_every: evaluate all clients every this many rounds (and in the last ``eval_last`` rounds).
@@ -88,6 +89,7 @@ class FederatedModule(L.LightningModule):
         momentum: float = 0.5,
         weight_decay: float = 0.0,
         batch_size: int = 10,
+        decay_bias: bool = True,
         aggregation: Literal["uniform", "num_samples"] = "num_samples",
         server_lr: float = 1.0,
         server_momentum: float = 0.0,
@@ -123,7 +125,7 @@ class FederatedModule(L.LightningModule):
         self._fallback_logged = False
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
-        self.client_optimizer = ClientOptimizer(lr, momentum, weight_decay, batch_size)
+        self.client_optimizer = ClientOptimizer(lr, momentum, weight_decay, batch_size, decay_bias)
         self.aggregation, self.eval_every, self.eval_last, self.finetune = aggregation, eval_every, eval_last, finetune
         self.bank: ClientStateBank | None = None
         self.fed: FederatedData | None = None

@@ -163,3 +163,25 @@ def test_linear_fedrep_server_orthonormalises_b():
     torch.testing.assert_close(q.T @ q, torch.eye(2, dtype=torch.float64))
     proj = q @ q.T  # same column span as the averaged B
     torch.testing.assert_close(proj @ bt.T, bt.T)
+
+
+def test_weight_decay_on_weights_only():
+    """decay_bias=False: SGD weight decay 1e-2 on weights, none on biases (plain torch param groups)."""
+    torch.manual_seed(0)
+    net = DigitsMLP()
+    x, y = client_data()
+    glob = params_of(net)
+    opt = ClientOptimizer(lr=LR, momentum=MOMENTUM, weight_decay=1e-2, batch_size=10_000, decay_bias=False)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0))
+    upd = FedAvg(local_epochs=3).client_update(ctx, glob, {})
+    ref = copy.deepcopy(net)
+    weights = [p for n, p in ref.named_parameters() if not n.endswith("bias")]
+    biases = [p for n, p in ref.named_parameters() if n.endswith("bias")]
+    sgd = torch.optim.SGD(
+        [{"params": weights, "weight_decay": 1e-2}, {"params": biases, "weight_decay": 0.0}], lr=LR, momentum=MOMENTUM
+    )
+    for _ in range(3):
+        sgd.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        sgd.step()
+    assert_params_close(upd.upload, params_of(ref), glob)

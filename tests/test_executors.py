@@ -30,7 +30,7 @@ def contexts(net, sizes, budgets=None, batch_size=7):
     xs = [torch.rand(n, 1, 8, 8, generator=g) for n in sizes]
     ys = [torch.randint(0, 10, (n,), generator=g) for n in sizes]
     budgets = budgets or [1.0] * len(sizes)
-    opt = ClientOptimizer(lr=0.05, momentum=0.5, weight_decay=1e-3, batch_size=batch_size)
+    opt = ClientOptimizer(lr=0.05, momentum=0.5, weight_decay=1e-3, batch_size=batch_size, decay_bias=False)
     gens = [make_generator(5, "train", 0, k) for k in range(len(sizes))]
     vctx = VectorizedContext(
         net, range(len(sizes)), xs, ys, None, opt, per_sample_loss_for(10), gens, None, 0, 5, budgets
