@@ -409,10 +409,15 @@ def test_cifar100_transfer_configs_dry_run(tmp_path):
         "--trainer.max_steps=2",
         "--trainer.accelerator=cpu",
         "--model.algorithm.init_args.local_steps=2",
+        "--model.eval_last=1",
+        "--model.new_client_finetune.epochs=1",
+        "--model.network.init_args.channels=[4,4,4,4,4,4]",
+        "--model.network.init_args.hidden=16",
     ]
     records = cifar_transfer(tmp_path / "data", tmp_path / "out", overrides, finetune_epochs=1, finetune_samples=50)
-    acc = {r["method"]: r["value"] for r in records if r["metric"] == "new_client_acc"}
-    assert set(acc) == {"FedAvg τ=50", "D-SGD τ=1"} and all(0 <= v <= 1 for v in acc.values())
+    for metric in ("new_client_acc", "engine_new_clients_acc"):
+        acc = {r["method"]: r["value"] for r in records if r["metric"] == metric}
+        assert set(acc) == {"FedAvg τ=50", "D-SGD τ=1"} and all(0 <= v <= 1 for v in acc.values())
     sims = [r["value"] for r in records if r["metric"] == "feature_abs_cos"]
     assert len(sims) == 2 and all(0 <= v <= 1 for v in sims)
 

@@ -70,10 +70,12 @@ def engine_history(run_dir: Path, key: str = "val/dist_B") -> list[tuple[int, fl
 def spec004(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
     plt, lines = _plt(), []
     trials, rounds, alpha = cfg["trials"], cfg["rounds004"], 0.4
-    settings = {"T1 (d=10,k=2,M=20)": (10, 2, 20), "T2 (d=50,k=5,M=40)": (50, 5, 40)}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    fig_g, axes_g = plt.subplots(1, 2, figsize=(11, 4))
-    fig_ft, axes_ft = plt.subplots(1, 2, figsize=(11, 4))
+    settings = {f"{name} (d={d},k={k},M={num})": (d, k, num) for name, (d, k, num) in cfg["settings004"].items()}
+    cols = len(settings)
+    fig, axes = plt.subplots(1, cols, figsize=(5.5 * cols, 4), squeeze=False)
+    fig_g, axes_g = plt.subplots(1, cols, figsize=(5.5 * cols, 4), squeeze=False)
+    fig_ft, axes_ft = plt.subplots(1, cols, figsize=(5.5 * cols, 4), squeeze=False)
+    axes, axes_g, axes_ft = axes[0], axes_g[0], axes_ft[0]
     rows, ft_rows = [], []
     checkpoints = [t for t in (0, 10, 50, 100, 200, 500, 1000) if t <= rounds]
     for j, (name, (d, k, num)) in enumerate(settings.items()):
@@ -120,25 +122,27 @@ def spec004(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> li
     lines += [format_table(["setting", "method", *[f"n={n}" for n in ns]], ft_rows), ""]
 
     # Fig. 6: partial participation m=10 of M=40 (T2 dimensions)
-    d, k, num = settings["T2 (d=50,k=5,M=40)"]
+    d, k, num, part = cfg["fig6"]
     b_star, w_star = fa.spec004_ground_truth(trials, num, d, k, gen(4))
     b0, w0 = fa.spec004_init(trials, d, k, alpha, gen(5))
     obj = fa.population_objectives(b_star, w_star)
     fig6, ax = plt.subplots(figsize=(5.5, 4))
     rows = []
     for tau, label in ((1, "D-GD τ=1"), (2, "FedAvg τ=2")):
-        run = fa.fedavg(b0, w0, obj, alpha, tau, rounds, min(10, num), gen(6, tau), b_star)
+        run = fa.fedavg(b0, w0, obj, alpha, tau, rounds, part, gen(6, tau), b_star)
         mean = run.dist.mean(1)
         ax.semilogy(mean.clamp(min=1e-17), label=label)
         rows.append((label, *[float(mean[t]) for t in checkpoints]))
         for t in checkpoints:
-            records.append(record("spec004_fig6", label, f"dist@{t}", float(mean[t]), setting="m=10,M=40,d=50,k=5"))
-    ax.set(title="Fig. 6: m = 10 of M = 40 clients per round", xlabel="round", ylabel="dist(B_t, B*)")
+            records.append(
+                record("spec004_fig6", label, f"dist@{t}", float(mean[t]), setting=f"m={part},M={num},d={d}")
+            )
+    ax.set(title=f"Fig. 6: m = {part} of M = {num} clients per round", xlabel="round", ylabel="dist(B_t, B*)")
     ax.legend()
     fig6.tight_layout()
     fig6.savefig(out / "spec004_fig6_partial.png", dpi=110)
     plt.close(fig6)
-    lines += ["Spec 004 Fig. 6: partial participation (m=10, M=40, d=50, k=5), mean dist"]
+    lines += [f"Spec 004 Fig. 6: partial participation (m={part}, M={num}, d={d}, k={k}), mean dist"]
     lines += [format_table(["method", *[f"dist@{t}" for t in checkpoints]], rows), ""]
 
     # τ and α sweeps (d=20, k=3, M=20): fitted log10-dist slope per round over the linear phase
@@ -492,6 +496,13 @@ def cifar_transfer(
     from fl_lightning.representation.features import class_feature_cosine, mean_offdiagonal, per_class_features
     from fl_lightning.representation.transfer import evaluate_new_clients
 
+    # the new clients depend only on the data, the seed and the transfer settings of cifar100_transfer.yaml
+    dm = CIFAR100DataModule(
+        num_clients=16, data_dir=str(data_dir), partition=Shards(5), transfer_classes=list(range(80, 100)),
+        transfer_clients=5, write_report=False, seed=0,
+    )  # fmt: skip
+    dm.setup()
+    new = dm.new_clients
     records = []
     for name, label in (("cifar100_fedavg_tau50", "FedAvg τ=50"), ("cifar100_dsgd_tau1", "D-SGD τ=1")):
         run_dir = out / "runs" / name
@@ -506,16 +517,10 @@ def cifar_transfer(
             run_dir=run_dir,
         )
         ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-        net = TransferCNN(num_classes=80)
+        net_args = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["network"]["init_args"]
+        net = TransferCNN(**{k: tuple(v) if isinstance(v, list) else v for k, v in net_args.items()})
         net.load_state_dict({k[len("net.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")})
         hp = ckpt["hyper_parameters"]
-        # the new clients depend only on the data, the seed and the transfer settings of cifar100_transfer.yaml
-        dm = CIFAR100DataModule(
-            num_clients=16, data_dir=str(data_dir), partition=Shards(5), transfer_classes=list(range(80, 100)),
-            transfer_clients=5, write_report=False, seed=0,
-        )  # fmt: skip
-        dm.setup()
-        new = dm.new_clients
         acc = evaluate_new_clients(
             net, new, finetune_epochs, hp["lr"], hp["momentum"], hp["weight_decay"], hp["batch_size"],
             finetune_samples=finetune_samples,
@@ -524,7 +529,11 @@ def cifar_transfer(
         feats = per_class_features(net, new.test.x, new.test.y, list(range(20)), per_class)
         sim = mean_offdiagonal(class_feature_cosine(feats))
         records.append(record("spec004_cifar100", label, "train_acc_mean", summary["final"]))
-        records.append(record("spec004_cifar100", label, "new_client_acc", float(acc.nanmean())))
+        records.append(record("spec004_cifar100", label, "new_client_acc", float(acc.nanmean()),
+                              setting=f"fresh head, {finetune_samples} samples, {finetune_epochs} epochs"))  # fmt: skip
+        if "new_clients_acc" in summary:
+            records.append(record("spec004_cifar100", label, "engine_new_clients_acc", summary["new_clients_acc"],
+                                  setting="train.py new_client_finetune (all training samples)"))  # fmt: skip
         records.append(record("spec004_cifar100", label, "feature_abs_cos", sim, setting=f"{per_class} images/class"))
     return records
 
@@ -538,6 +547,7 @@ def _override(overrides: list[str], key: str, default: int) -> int:
 
 # ---- main -------------------------------------------------------------------------------------------------
 FULL = dict(
+    settings004={"T1": (10, 2, 20), "T2": (50, 5, 40)}, fig6=(50, 5, 40, 10),
     trials=10, rounds004=1000, ft_samples=[5, 10, 20, 50, 100], sweep_trials=5, taus=[1, 2, 3, 5, 10],
     alphas=[0.1, 0.2, 0.4], sweep_rounds=300, alpha_rounds=3000, engine_rounds004=300, engine_data004={},
     fig3_n=[10, 100, 1000, 10000], fig3_rounds=200, fig7_m=[5, 10, 20], fig7_n=[10, 100, 1000], fig7_rounds=200,
@@ -545,6 +555,7 @@ FULL = dict(
     engine_rounds000=200, engine_data000={}, engine_seeds000=[0, 1, 2],
 )  # fmt: skip
 QUICK = dict(
+    settings004={"T1": (10, 2, 20)}, fig6=(10, 2, 20, 5),
     trials=2, rounds004=60, ft_samples=[5, 20], sweep_trials=2, taus=[1, 2], alphas=[0.2, 0.4], sweep_rounds=60,
     alpha_rounds=60, engine_rounds004=4, engine_data004={"num_clients": 4}, fig3_n=[10, 100],
     fig3_rounds=20, fig7_m=[5], fig7_n=[10, 100], fig7_rounds=20, fig1_m=[5, 10], fig1_rounds=20,
