@@ -299,3 +299,28 @@ def test_end_to_end_uploads_never_contain_personal_state(name):
 def test_ft_variants_use_the_engine_finetune_option(name):
     module, _ = run_digits(ALGORITHMS[name](), rounds=2, finetune=FineTune(epochs=1))
     assert module.summary["algorithm"].endswith("+FT")
+
+
+def test_scaffold_server_variate_survives_checkpoint_resume(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def module():
+        L.seed_everything(0, verbose=False)
+        return FederatedModule(SCAFFOLD(), DigitsMLP(hidden=(16,)), eval_every=100, eval_last=1, aggregation="uniform")
+
+    def data():
+        return DigitsDataModule(num_clients=10, partition=Shards(2), participation=0.3, seed=0)
+
+    full = module()
+    make_trainer(4).fit(full, datamodule=data())
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="r{step}", auto_insert_metric_name=False
+    )
+    make_trainer(4, enable_checkpointing=True, callbacks=[ckpt]).fit(module(), datamodule=data())
+    resumed = module()
+    make_trainer(4).fit(resumed, datamodule=data(), ckpt_path=str(tmp_path / "r2.ckpt"))
+    for n, c in full.algorithm.server_variate().items():
+        assert c.abs().sum() > 0 and torch.equal(resumed.algorithm.server_variate()[n], c), n
+    for (n, p), (_, q) in zip(resumed.net.named_parameters(), full.net.named_parameters()):
+        assert torch.equal(p, q), n
