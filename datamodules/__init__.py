@@ -55,3 +55,8 @@ __all__ += [
     "Sent140DataModule",
     "ShakespeareDataModule",
 ]
+
+from datamodules.lowrank import LowRankDataModule, LowRankMetrics  # noqa: E402
+from datamodules.mixed_regression import MixedRegressionDataModule, MixedRegressionMetrics  # noqa: E402
+
+__all__ += ["LowRankDataModule", "LowRankMetrics", "MixedRegressionDataModule", "MixedRegressionMetrics"]

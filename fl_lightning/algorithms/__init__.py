@@ -36,3 +36,11 @@ __all__ = [
     "LinearFedRep",
     "LocalOnly",
 ]
+
+from fl_lightning.algorithms.alternating_gd import AlternatingGD  # noqa: E402
+from fl_lightning.algorithms.ifca import IFCA  # noqa: E402
+from fl_lightning.algorithms.lowrank_power import PowerInitLocalGD  # noqa: E402
+from fl_lightning.algorithms.moment_descent import FedMD  # noqa: E402
+from fl_lightning.algorithms.oneshot_kmeans import OneShotClustering  # noqa: E402
+
+__all__ += ["AlternatingGD", "FedMD", "IFCA", "OneShotClustering", "PowerInitLocalGD"]
