@@ -339,13 +339,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--local_steps", type=int, default=5)
     parser.add_argument("--out", default="results/mixed_regression")
+    parser.add_argument(
+        "--merge", nargs="*", default=None, help="combine earlier runs' output folders (e.g. one per setting)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     start = time.perf_counter()
-    for setting in args.settings.split(","):
+    if args.merge:
+        for folder in args.merge:
+            saved = json.loads((Path(folder) / "curves.json").read_text())
+            results.update({st: {int(k): v for k, v in runs.items()} for st, runs in saved.items()})
+        args.seeds = min(len(r) for r in results.values())
+    for setting in [] if args.merge else args.settings.split(","):
         results[setting] = {s: run_seed(setting, s, args.rounds, args.lr, args.local_steps) for s in range(args.seeds)}
         print(f"{setting}: {args.seeds} seeds done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows, records = summarise(results)
