@@ -74,3 +74,21 @@ def test_bad_input_gives_a_one_line_error(case):
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and expected in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_wandb_offline_run_directory_is_written(tmp_path):
+    env_mode = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *QUICK, "--trainer.max_steps", "2", "--run_dir", str(tmp_path)],
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.environ["WANDB_MODE"] = env_mode or "disabled"
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
