@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
 
-from fl_lightning.local import ClientContext, ClientOptimizer, Params, Penalty, select
+from fl_lightning.local import ClientContext, ClientOptimizer, Params, Penalty, select, step_limit
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
 
@@ -186,13 +186,10 @@ class VectorizedContext:
         else:
             inputs, module = self.xs, self.net
             names = {n: n for n in out}
-        limits = []
-        for k, budget in enumerate(self.step_budgets):
-            limit = max_steps if max_steps is not None else None
-            if budget < 1.0:
-                cap = max(1, int(budget * epochs * -(-int(self.sizes[k]) // bs)))
-                limit = cap if limit is None else min(limit, cap)
-            limits.append(limit if limit is not None else 1 << 62)
+        limits = [
+            step_limit(budget, epochs, int(n), bs, max_steps) or 1 << 62
+            for budget, n in zip(self.step_budgets, self.sizes)
+        ]
         limits_t = torch.tensor(limits, device=self.sizes.device)
 
         train = {n: out[n] for n in trainable}

@@ -41,6 +41,15 @@ def loss_fn_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
     return F.cross_entropy
 
 
+def step_limit(budget: float, epochs: int, num_samples: int, batch_size: int, max_steps: int | None) -> int | None:
+    """The number of local steps a client may take: ``max_steps``, capped for a straggler with ``budget`` < 1
+    at that fraction of its ``epochs`` epochs of minibatches (at least one step)."""
+    if budget >= 1.0:
+        return max_steps
+    cap = max(1, int(budget * epochs * -(-num_samples // batch_size)))
+    return cap if max_steps is None else min(max_steps, cap)
+
+
 class ClientContext:
     """A client's data, RNG and local optimiser for one round, plus the SGD phase primitive.
 
@@ -138,10 +147,7 @@ class ClientContext:
             lr=self.optimizer.lr if lr is None else lr,
             momentum=self.optimizer.momentum,
         )
-        if self.step_budget < 1.0:  # a simulated straggler stops early
-            per_epoch = -(-self.num_samples // self.optimizer.batch_size)
-            budget = max(1, int(self.step_budget * epochs * per_epoch))
-            max_steps = budget if max_steps is None else min(max_steps, budget)
+        max_steps = step_limit(self.step_budget, epochs, self.num_samples, self.optimizer.batch_size, max_steps)
         steps, loss_sum = 0, 0.0
         for _ in range(epochs):
             for x, y in self.batches():
