@@ -148,8 +148,9 @@ def read_curve(run_dir: Path) -> list[tuple[int, float]]:
     points = []
     with path.open() as f:
         for row in csv.DictReader(f):
-            if row.get("val/acc_mean"):
-                points.append((int(float(row["step"])), float(row["val/acc_mean"])))
+            value = row.get("val/acc_mean")
+            if value and (not points or float(value) != points[-1][1]):  # rows repeat the last evaluation
+                points.append((int(float(row["step"])), float(value)))
     return points
 
 
@@ -194,9 +195,9 @@ def run_setting(
         runs = [r for r in runs if r]
         if not runs:
             continue
-        steps = [s for s, _ in runs[0]]
-        acc = np.mean([[a for _, a in r[: len(steps)]] for r in runs if len(r) >= len(steps)], axis=0)
-        ax.plot(steps, 100 * acc, color=f"C{i}", label=method)
+        grid = np.arange(max(s for r in runs for s, _ in r) + 1)
+        acc = np.mean([np.interp(grid, [s for s, _ in r], [a for _, a in r]) for r in runs], axis=0)
+        ax.plot(grid, 100 * acc, color=f"C{i}", label=method)
     ax.set_xlabel("communication round")
     ax.set_ylabel("mean client accuracy (%)")
     ax.set_title(f"{setting}: mean over seeds")
