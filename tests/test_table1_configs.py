@@ -115,3 +115,17 @@ def test_runner_on_digits_writes_table_and_results(tmp_path, capsys):
     assert "FedRep" in out and (tmp_path / "table1.csv").exists() and (tmp_path / "table1_digits_20x2.png").exists()
     rows = [r for r in json.loads((tmp_path / "results.json").read_text()) if r["metric"] == "acc_last10"]
     assert {r["method"] for r in rows} == {"fedavg", "fedrep"} and all(0 <= r["value"] <= 1 for r in rows)
+
+
+@pytest.mark.skipif(make_fixture is None, reason="tests/data_fixtures.py (make_fixture) not written yet")
+def test_runner_on_a_real_column_prints_the_paper_next_to_ours(tmp_path, capsys):
+    from fl_lightning.reproduce.table1 import main
+
+    if "cifar10_100x2" not in COLUMNS:
+        pytest.skip("configs/table1/cifar10_100x2.yaml not written yet")
+    extra = [*make_fixture("cifar10_100x2", tmp_path), "--model.eval_last=1"]
+    argv = ["--dataset", "real", "--columns", "cifar10_100x2", "--methods", "fedavg", "fedrep", "--rounds", "1"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--extra", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "cifar10_100x2 paper" in out and "87.70" in out and "42.65" in out  # Table 1's FedRep and FedAvg
+    assert (tmp_path / "out" / "table1_cifar10_100x2.png").exists()

@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fl_lightning.errors import ConfigError
 from fl_lightning.reproduce.common import bar_chart, format_table, record, train_config, write_results
 
 ROOT = Path(__file__).resolve().parents[2] / "configs"
@@ -176,9 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 ]
                 if args.rounds is not None:
                     overrides.append(f"--trainer.max_steps={args.rounds}")
-                summary = train_config(
-                    configs, overrides + list(args.extra), run_dir=args.out / "runs" / f"{column}_{method}_s{seed}"
-                )
+                try:
+                    summary = train_config(
+                        configs, overrides + list(args.extra), run_dir=args.out / "runs" / f"{column}_{method}_s{seed}"
+                    )
+                except (ConfigError, FileNotFoundError) as exc:
+                    print(f"error: {column} / {method}: {exc}", file=sys.stderr)
+                    return 2
                 value = 100 * summary["last10"]  # shown in %, stored as a fraction
                 acc[column][method].append(value)
                 records.append(record(column, method, "acc_last10", value / 100, seed=seed, setting=group))
