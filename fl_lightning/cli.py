@@ -285,6 +285,7 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
         print()
         print(format_table([summary]))
         (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (cli.run_dir / "history.json").write_text(json.dumps(cli.model.history, indent=1))
         print(f"run: {cli.run_dir}")
     return summary
 

@@ -278,7 +278,7 @@ class FederatedModule(L.LightningModule):
             [self.straggler_budget if j in slow else 1.0 for j in active],
         )
 
-        sums = {n: torch.zeros_like(t) for n, t in template.items()}
+        sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}  # ints too (BN counts)
         new_rows = {n: torch.zeros_like(v) for n, v in cohort_states.items()}
         for j in mine:  # clients that fail keep their state
             for n in new_rows:
@@ -305,6 +305,7 @@ class FederatedModule(L.LightningModule):
         flat = torch.cat([t.reshape(-1).double() for t in (*sums.values(), *new_rows.values())] + [stats])
         flat = self.trainer.strategy.reduce(flat, reduce_op="sum")
         sums, new_rows, stats = self._unflatten(flat, sums, new_rows)
+        sums = {n: v.to(template[n].dtype) if template[n].is_floating_point() else v for n, v in sums.items()}
         if new_rows:
             self.bank.scatter(cohort, new_rows)
         if stats[3] == 0:
@@ -336,6 +337,13 @@ class FederatedModule(L.LightningModule):
             self.evaluate_and_log(round_idx)
         if round_idx == last_round:
             self.final_evaluation(round_idx)
+
+    @staticmethod
+    def _add_delta(value: Tensor, delta: Tensor) -> Tensor:
+        """``value + delta`` in ``value``'s dtype; integer buffers (BatchNorm's batch counter) are rounded."""
+        if value.dtype.is_floating_point:
+            return value + delta.to(value.dtype)
+        return (value.double() + delta).round().to(value.dtype)
 
     def _check_finite(self, backup: Params, round_idx: int) -> None:
         """Stop with a one-line error if the global model turned non-finite, after saving the last good state."""
@@ -376,7 +384,7 @@ class FederatedModule(L.LightningModule):
         with torch.no_grad():
             for n, delta in averaged.items():
                 if n in buffers:
-                    buffers[n].add_(delta.to(buffers[n].dtype))
+                    buffers[n].copy_(self._add_delta(buffers[n], delta))
             extra = {n: v for n, v in averaged.items() if n not in params and n not in buffers}
             live = {**params, **buffers}
             self.algorithm.server_update(live, extra, round_idx)

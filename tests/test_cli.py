@@ -30,6 +30,8 @@ def test_quickstart_prints_the_result_table(tmp_path):
     assert (tmp_path / "metrics.csv").exists()
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert (tmp_path / "config.yaml").exists()
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [h["round"] for h in history] == [0, 1, 2] and history[-1]["val/acc_mean"] == summary["final"]
 
 
 def test_print_config_round_trips():

@@ -192,3 +192,36 @@ def test_frozen_parameters_never_train_and_are_never_uploaded():
     fit(module, digits(), rounds=2)
     assert torch.equal(module.net.body.fc1.weight, frozen)
     assert seen and "body.fc1.weight" not in seen and "body.fc1.bias" in seen
+
+
+def test_batchnorm_buffers_are_averaged_including_the_integer_counter():
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from fl_lightning.models.split import SplitModel
+
+    class BNNet(SplitModel):
+        def __init__(self):
+            body = OrderedDict(
+                conv=nn.Conv2d(1, 4, 3, padding=1), bn=nn.BatchNorm2d(4), relu=nn.ReLU(), flat=nn.Flatten()
+            )
+            super().__init__(nn.Sequential(body), nn.Linear(256, 10))
+
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=10, partition=Shards(2), clients_per_round=3, seed=0)
+    module = FederatedModule(FedAvg(1), BNNet(), aggregation="uniform", eval_every=100)
+    uploads = []
+    original_attach = module.attach_data
+
+    def attach_and_observe(fed):
+        original_attach(fed)
+        module.ledger.observers.append(lambda r, c, t: uploads.append({k: v.clone() for k, v in t.items()}))
+
+    module.attach_data = attach_and_observe
+    fit(module, dm, rounds=1)
+    mean = torch.stack([u["body.bn.running_mean"] for u in uploads]).mean(0)
+    torch.testing.assert_close(module.net.body.bn.running_mean, mean)
+    counts = [int(u["body.bn.num_batches_tracked"]) for u in uploads]
+    assert module.net.body.bn.num_batches_tracked.dtype == torch.long
+    assert int(module.net.body.bn.num_batches_tracked) == round(sum(counts) / len(counts))
