@@ -59,8 +59,11 @@ class Shards(Partitioner):
                 f"over {c} classes; choose num_clients·S as a multiple of {c}"
             )
         labels = rng.permutation(np.repeat(np.arange(c), num_clients * s // c)).reshape(num_clients, s)
+        bad, changed = [], True
         for _ in range(100 * num_clients * s):  # repair rows with a repeated class by random swaps
-            bad = [i for i in range(num_clients) if len(set(labels[i])) < s]
+            if changed:  # rows only change after a swap
+                bad = [i for i in range(num_clients) if len(set(labels[i])) < s]
+                changed = False
             if not bad:
                 break
             i = bad[0]
@@ -69,21 +72,26 @@ class Shards(Partitioner):
             a, b = labels[i, col], labels[k, col2]
             if k != i and b not in labels[i] and a not in labels[k]:
                 labels[i, col], labels[k, col2] = b, a
+                changed = True
+        if any(len(set(row)) < s for row in labels):  # no random repair found: a valid cyclic layout
+            labels = (np.arange(num_clients)[:, None] * s + np.arange(s)[None, :]) % c
+            labels = rng.permutation(c)[labels][rng.permutation(num_clients)]
         return classes[labels]
 
     def __call__(self, train_labels, test_labels, num_clients, rng):
         y_tr, y_te = train_labels.numpy(), test_labels.numpy()
         classes = np.unique(y_tr)
         per_class = num_clients * self.classes_per_client // max(len(classes), 1)
+        for c in classes:  # capacity first: fail fast, before the class assignment
+            if (y_tr == c).sum() < per_class:
+                raise ConfigError(
+                    f"Shards: class {c} has {(y_tr == c).sum()} training samples, too few to fill {per_class} shards "
+                    f"(num_clients·S/classes = {num_clients}·{self.classes_per_client}/{len(classes)})"
+                )
         assignment = self.assign_classes(num_clients, classes, rng)
         train_shards, test_shards = {}, {}
         for c in classes:
             tr, te = rng.permutation(np.flatnonzero(y_tr == c)), rng.permutation(np.flatnonzero(y_te == c))
-            if len(tr) < per_class:
-                raise ConfigError(
-                    f"Shards: class {c} has {len(tr)} training samples, too few to fill {per_class} shards "
-                    f"(num_clients·S/classes = {num_clients}·{self.classes_per_client}/{len(classes)})"
-                )
             train_shards[c], test_shards[c] = np.array_split(tr, per_class), np.array_split(te, per_class)
         used = {c: 0 for c in classes}
         train_sets, test_sets = [], []
