@@ -18,6 +18,9 @@ class PrivacyViolation(RuntimeError):
 
 
 class CommunicationLedger:
+    #: called as ``observer(ledger, round, client, upload)`` for every upload of every ledger (tests, audits)
+    global_observers: list[Callable[[CommunicationLedger, int, int, dict[str, Tensor]], None]] = []
+
     def __init__(self, is_personal: Callable[[str], bool], allowed: set[str]) -> None:
         self.is_personal, self.allowed = is_personal, allowed
         self.upload_bytes = 0
@@ -38,6 +41,8 @@ class CommunicationLedger:
         self.upload_bytes += tensor_bytes(tensors)
         for observer in self.observers:
             observer(round_idx, client, tensors)
+        for observer in CommunicationLedger.global_observers:
+            observer(self, round_idx, client, tensors)
         return tensors
 
     def download(self, tensors: dict[str, Tensor], num_clients: int) -> None:
