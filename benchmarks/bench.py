@@ -87,6 +87,32 @@ def time_eval(module: FederatedModule, bf16: bool) -> float:
     return time.perf_counter() - start
 
 
+def precision_rows(args: argparse.Namespace, records: list) -> None:
+    """bf16's accuracy and speed effect on the digits quickstart (FedRep, 100 rounds, vectorized executor)."""
+    from fl_lightning.reproduce.common import train_config
+
+    rounds = "10" if args.quick else "100"
+    for precision in ("32-true", "bf16-mixed"):
+        summary = train_config(
+            ["configs/quickstart.yaml"],
+            [
+                "--trainer.max_steps",
+                rounds,
+                "--trainer.precision",
+                precision,
+                "--model.executor",
+                "vectorized",
+                "--trainer.enable_checkpointing",
+                "false",
+            ],
+            run_dir=args.out / f"quickstart_{precision}",
+        )
+        setting = f"digits_quickstart,rounds={rounds}"
+        records.append(record("bench", f"vectorized-{precision}", "acc_last10", summary["last10"], setting=setting))
+        records.append(record("bench", f"vectorized-{precision}", "wall_s", summary["wall_s"], setting=setting))
+        print(f"  digits quickstart {precision:10s} acc_last10 {summary['last10']:.4f}  wall {summary['wall_s']:.1f} s")
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -97,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["pfllib_cnn", "fedrep_cnn_aug", "digits_fedavg", "scale", "digits_precision"],
+        help="which workloads to run",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -124,19 +156,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {workload:15s} {name:18s} train {train:8.3f} s/round  eval {evaluation:7.3f} s  ×{speedup:.2f}")
 
     all_variants = [("sequential", False), ("vectorized", False), ("sequential", True), ("vectorized", True)]
-    data = image_data(n_clients, n_train, n_test)
-    measure("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head_epochs, 1), 10, all_variants)
-    aug = image_data(n_clients, n_train, n_test, augment=CropFlip(4))
-    measure("fedrep_cnn_aug", CifarCNN, aug, lambda: FedRep(head_epochs, 1), 10, all_variants[:2])
+    if "pfllib_cnn" in args.workloads:
+        data = image_data(n_clients, n_train, n_test)
+        measure("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head_epochs, 1), 10, all_variants)
+    if "fedrep_cnn_aug" in args.workloads:
+        aug = image_data(n_clients, n_train, n_test, augment=CropFlip(4))
+        measure("fedrep_cnn_aug", CifarCNN, aug, lambda: FedRep(head_epochs, 1), 10, all_variants[:2])
+    if "digits_fedavg" in args.workloads:
+        from datamodules import DigitsDataModule
 
-    from datamodules import DigitsDataModule
-
-    digits = DigitsDataModule(num_clients=20, participation=0.2, seed=0)
-    digits.setup()
-    measure("digits_fedavg", DigitsMLP, digits.federated, lambda: FedAvg(1), 4, all_variants[:2])
+        digits = DigitsDataModule(num_clients=20, participation=0.2, seed=0)
+        digits.setup()
+        measure("digits_fedavg", DigitsMLP, digits.federated, lambda: FedAvg(1), 4, all_variants[:2])
+    if "digits_precision" in args.workloads:
+        precision_rows(args, records)
 
     scale_rows = {}
-    for total in (100, 2000 if args.quick else 10_000):
+    for total in (100, 2000 if args.quick else 10_000) if "scale" in args.workloads else ():
         fed = image_data(total, 20, 5, shape=(32,), seed=1)
         for executor in ("sequential", "vectorized"):
             torch.manual_seed(0)
@@ -153,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"FedRep round times, {args.threads} CPU thread(s), median of {args.rounds} rounds")
     print(format_table(["workload", "executor", "train_s/round", "eval_s", "speedup", "peak_rss_MB"], rows))
-    big = max(t for t, _ in scale_rows)
-    for executor in ("sequential", "vectorized"):
+    big = max((t for t, _ in scale_rows), default=None)
+    for executor in ("sequential", "vectorized") if big else ():
         ratio = scale_rows[(big, executor)] / scale_rows[(100, executor)]
         print(f"scale ({executor}): {big} clients / 100 clients round time = {ratio:.2f}×")
         records.append(record("bench", executor, "scale_ratio", ratio, setting=f"{big}_vs_100_clients"))
