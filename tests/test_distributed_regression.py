@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_mixed_regression import SMALL_PROBS, SMALL_SIZES
+from test_lowrank_mf import SMALL_SYNTHETIC_ARGS
+from test_mixed_regression import SMALL_FEDMD_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,43 +19,11 @@ MIXED = [
     "configs/mixed_regression/c1.yaml",
     "--config",
     "configs/mixed_regression/fedmd.yaml",
-    "--data.init_args.sizes",
-    str(SMALL_SIZES),
-    "--data.init_args.probs",
-    str(SMALL_PROBS),
-    "--data.init_args.dim",
-    "6",
-    "--model.network.init_args.dim",
-    "6",
-    "--model.network.init_args.num_clusters",
-    "2",
-    "--model.algorithm.init_args.num_anchors",
-    "3",
-    "--model.algorithm.init_args.phase1_iters",
-    "2",
+    *SMALL_FEDMD_ARGS,
     "--trainer.max_steps",
     "12",
 ]
-LOWRANK = [
-    "--config",
-    "configs/lowrank_mf/synthetic.yaml",
-    "--data.init_args.num_clients",
-    "4",
-    "--data.init_args.rows_per_client",
-    "30",
-    "--data.init_args.dim",
-    "12",
-    "--data.init_args.rank",
-    "3",
-    "--model.network.init_args.dim",
-    "12",
-    "--model.network.init_args.rank",
-    "3",
-    "--model.network.init_args.max_rows",
-    "30",
-    "--trainer.max_steps",
-    "8",
-]
+LOWRANK = ["--config", "configs/lowrank_mf/synthetic.yaml", *SMALL_SYNTHETIC_ARGS, "--trainer.max_steps", "8"]
 
 
 def final_state(args: list[str], devices: int, run_dir: Path) -> dict[str, torch.Tensor]:

@@ -212,25 +212,31 @@ def test_bad_configs_fail_with_one_line(tmp_path):
         fit(FederatedModule(PowerInitLocalGD(alpha=0), LowRankFactors(6, 2, 4)), dm, 2)
 
 
+# CLI overrides that shrink configs/lowrank_mf/synthetic.yaml to CI size (also used by the DDP test)
+SMALL_SYNTHETIC_ARGS = [
+    "--data.init_args.num_clients",
+    "4",
+    "--data.init_args.rows_per_client",
+    "30",
+    "--data.init_args.dim",
+    "12",
+    "--data.init_args.rank",
+    "3",
+    "--model.network.init_args.dim",
+    "12",
+    "--model.network.init_args.rank",
+    "3",
+    "--model.network.init_args.max_rows",
+    "30",
+]
+
+
 def test_train_py_resume_gives_identical_results(tmp_path):
     from fl_lightning.reproduce.common import train_config
 
     cfg = ["configs/lowrank_mf/synthetic.yaml"]
     common = [
-        "--data.init_args.num_clients",
-        "4",
-        "--data.init_args.rows_per_client",
-        "30",
-        "--data.init_args.dim",
-        "12",
-        "--data.init_args.rank",
-        "3",
-        "--model.network.init_args.dim",
-        "12",
-        "--model.network.init_args.rank",
-        "3",
-        "--model.network.init_args.max_rows",
-        "30",
+        *SMALL_SYNTHETIC_ARGS,
         "--checkpoint_every",
         "3",
         "--model.eval_every",

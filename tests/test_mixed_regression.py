@@ -28,6 +28,23 @@ from tests.conftest import fit
 
 SMALL_SIZES = [4] * 24 + [20] * 8
 SMALL_PROBS = [0.5, 0.5]
+# CLI overrides that shrink configs/mixed_regression/{c1,fedmd}.yaml to CI size (also used by the DDP test)
+SMALL_FEDMD_ARGS = [
+    "--data.init_args.sizes",
+    str(SMALL_SIZES),
+    "--data.init_args.probs",
+    str(SMALL_PROBS),
+    "--data.init_args.dim",
+    "6",
+    "--model.network.init_args.dim",
+    "6",
+    "--model.network.init_args.num_clusters",
+    "2",
+    "--model.algorithm.init_args.num_anchors",
+    "3",
+    "--model.algorithm.init_args.phase1_iters",
+    "2",
+]
 
 
 def small_problem(seed: int = 0, dim: int = 6, noise: float = 0.1) -> dict:
@@ -230,20 +247,7 @@ def test_train_py_resume_gives_identical_results(tmp_path):
     from fl_lightning.reproduce.common import train_config
 
     common = [
-        "--data.init_args.sizes",
-        str(SMALL_SIZES),
-        "--data.init_args.probs",
-        str(SMALL_PROBS),
-        "--data.init_args.dim",
-        "6",
-        "--model.network.init_args.dim",
-        "6",
-        "--model.network.init_args.num_clusters",
-        "2",
-        "--model.algorithm.init_args.num_anchors",
-        "3",
-        "--model.algorithm.init_args.phase1_iters",
-        "2",
+        *SMALL_FEDMD_ARGS,
         "--model.eval_every",
         "5",
         "--checkpoint_every",
