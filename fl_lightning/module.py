@@ -422,9 +422,6 @@ class FederatedModule(L.LightningModule):
         world, rank = (self._trainer.world_size, self.global_rank) if self._trainer is not None else (1, 0)
         mine = list(range(rank, self.fed.num_clients, world))
         state_of = state_of or self.bank.get
-        if state_of is not self.bank.get and self.executor == "vectorized":
-            mine_states = {c: state_of(c) for c in mine}
-            state_of = mine_states.__getitem__
         if self._shared_body_evaluation(finetune):
             self._evaluate_with_shared_body(mine, glob, round_idx, finetune, state_of)
         else:
