@@ -343,7 +343,7 @@ def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tmp_path, mon
     path = write_experiment(tmp_path, data)
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
     capsys.readouterr()
-    runs = offline_runs(tmp_path / "runs")
+    runs = offline_runs(tmp_path / "runs", wait_s=60)
     assert len(runs) == 4 and len({r.id for r in runs}) == 4
     assert sorted(r.name for r in runs) == ["fedavg-digits-s0", "fedavg-digits-s1", "fedrep-digits-s0",
                                             "fedrep-digits-s1"]  # fmt: skip

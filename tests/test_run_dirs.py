@@ -147,7 +147,9 @@ def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_
     resumed = subprocess.run([*cmd, "--ckpt_path", "last"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    runs = offline_runs(victim_dir)
+    deadline = time.monotonic() + 60
+    while not (runs := offline_runs(victim_dir))[-1].exited and time.monotonic() < deadline:
+        time.sleep(0.1)  # W&B's service may still be writing the resumed run's file
     # one W&B run, written by two processes (W&B loses what the killed process had not flushed yet; the
     # resumed process logs every round it recomputes, metrics.csv keeps them all)
     assert len(runs) == 2 and len({r.id for r in runs}) == 1
@@ -175,7 +177,7 @@ def test_wandb_gets_histograms_the_client_table_and_the_summary(tmp_path, monkey
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert train(tmp_path, "--trainer.max_steps", "5", "--wandb.histogram_every", "2") == 0
     capsys.readouterr()
-    (run,) = offline_runs(tmp_path)
+    (run,) = offline_runs(tmp_path, wait_s=60)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {k[len("summary/"):]: v for k, v in run.summary.items() if k.startswith("summary/")} == summary
     steps = [row["trainer/global_step"] for row in run.history if "val/acc_clients/values" in row]
@@ -198,7 +200,7 @@ def test_a_logger_from_the_config_gets_the_full_config(tmp_path, monkeypatch, ca
               "init_args": {"save_dir": str(tmp_path / "mine"), "project": "mine", "group": "g"}}  # fmt: skip
     assert train(tmp_path / "run", "--trainer.max_steps", "2", "--trainer.logger", json.dumps(logger)) == 0
     capsys.readouterr()
-    (run,) = offline_runs(tmp_path / "mine")
+    (run,) = offline_runs(tmp_path / "mine", wait_s=60)
     assert run.project == "mine" and run.group == "g"
     assert run.config["data"]["class_path"] == "datamodules.DigitsDataModule"
     assert run.config["model"]["algorithm"]["class_path"] == "fl_lightning.algorithms.FedRep"

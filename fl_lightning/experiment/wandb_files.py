@@ -78,6 +78,7 @@ class OfflineRun:
     summary: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     resumed: bool = False
+    exited: bool = False  #: the file holds the run's exit record (W&B finished writing it)
     files: list[Path] = field(default_factory=list)
 
 
@@ -101,6 +102,8 @@ def read_offline_run(path: str | Path) -> OfflineRun:
         elif kind == "summary":
             for item in record.summary.update:
                 _set(run.summary, _key(item), json.loads(item.value_json))
+        elif kind == "exit":
+            run.exited = True
         elif kind == "history":
             row: dict[str, Any] = {}
             for item in record.history.item:
@@ -112,7 +115,16 @@ def read_offline_run(path: str | Path) -> OfflineRun:
     return run
 
 
-def offline_runs(root: str | Path) -> list[OfflineRun]:
-    """Every offline run below ``root`` (each ``offline-run-*`` folder once, oldest first)."""
-    folders = sorted({p.parent for p in Path(root).rglob("offline-run-*/*.wandb")}, key=lambda p: p.name)
-    return [read_offline_run(f) for f in folders]
+def offline_runs(root: str | Path, wait_s: float = 0.0) -> list[OfflineRun]:
+    """Every offline run below ``root`` (each ``offline-run-*`` folder once, oldest first). W&B's service writes
+    the file in the background, also after ``finish()`` returned: ``wait_s`` waits up to that long for every run
+    to hold its exit record (a run killed with SIGKILL never gets one)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        folders = sorted({p.parent for p in Path(root).rglob("offline-run-*/*.wandb")}, key=lambda p: p.name)
+        runs = [read_offline_run(f) for f in folders]
+        if all(r.exited for r in runs) or time.monotonic() >= deadline:
+            return runs
+        time.sleep(0.1)
