@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: train test lint reproduce reproduce-digits reproduce-table1-digits bench clean
+.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,16 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# an experiment file: make experiment FILE=configs/experiments/quick_digits.yaml [ARGS="--jobs 2"]
+FILE ?= configs/experiments/quick_digits.yaml
+experiment: $(STAMP)
+	$(PY) -m fl_lightning.experiment run $(FILE) $(ARGS)
+
+# six methods of configs/experiments/table1_digits.yaml × 3 seeds, mean ± std (run dirs shared with the next target)
 reproduce-digits: $(STAMP)
 	$(PY) -m experiments digits
 
+# configs/experiments/table1_digits.yaml: the 15 methods × 3 seeds, next to the ordering checks
 reproduce-table1-digits: $(STAMP)
 	$(PY) -m experiments table1 --dataset digits
 

@@ -7,27 +7,33 @@
    one-hot client ids (the original problem) and with one shared prediction; ``imc_error.png``;
 2. the App. B linear toy with and without side information, per-client bias error against the closed-form
    floor ``(b_m − b̄)²``; ``toy_floor.png``;
-3. the digits stand-in for the CIFAR setting (``configs/perfedsi/digits.yaml``: four shift groups, one-hot z,
-   fixed mask after conv-3) with PerFedSI (conv-4 BatchNorm statistics shared, the paper read literally, and
-   per side-information group, our option) vs FedAvg, SR-PH and PR-SH (``--methods`` adds Ditto, Local, the
-   learned mask); ``digits_acc.png`` and ``digits_curves.png``.
+3. the digits stand-in for the CIFAR setting as an experiment file run by the generic runner
+   (``configs/experiments/perfedsi_digits.yaml``: ``configs/perfedsi/digits.yaml``, four shift groups, one-hot z,
+   fixed mask after conv-3; PerFedSI with conv-4 BatchNorm statistics shared, the paper read literally, and per
+   side-information group, our option, vs FedAvg, SR-PH and PR-SH, 3 seeds; ``--methods`` adds Ditto, Local, the
+   learned mask). Run dirs go to ``runs/perfedsi-digits/`` (finished ones are reused), the table is mean ± std over
+   seeds, the report (curves, per-client accuracies, ``results.json``) goes to ``<out>/digits/``.
 
 ``--setting cifar10_m100`` (or any ``configs/perfedsi/<setting>.yaml``) instead runs PerFedSI and every baseline
-on that real-data setting (its data must be on disk) and makes the same table and plots.
+on that real-data setting (its data must be on disk) with the same runner.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from experiments import ROOT
 from experiments.side_information import federated_imc, imc_problem, linear_bias_toy
-from fl_lightning.cli import train_config
+from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.report import results_records
+from fl_lightning.experiment.runner import run_experiment
+from fl_lightning.experiment.spec import Experiment, load_experiment, parse_experiment
 from fl_lightning.results import format_table, record, write_results
 
 CONFIGS = ROOT / "configs" / "perfedsi"
@@ -42,7 +48,19 @@ METHODS = {
     "Ditto": "ditto.yaml",
     "Local": "local.yaml",
 }
+LABELS = {
+    "PerFedSI": "perfedsi",
+    "PerFedSI (side BN)": "perfedsi_sidebn",
+    "PerFedSI (learned mask)": "perfedsi_learned",
+    "PerFedSI (concat)": "perfedsi_concat",
+    "FedAvg": "fedavg",
+    "SR-PH": "srph",
+    "PR-SH": "prsh",
+    "Ditto": "ditto",
+    "Local": "local",
+}
 DEFAULT_DIGITS = ["PerFedSI", "PerFedSI (side BN)", "FedAvg", "SR-PH", "PR-SH"]
+EXPERIMENT = ROOT / "configs" / "experiments" / "perfedsi_digits.yaml"
 IMC_VARIANTS = {"given": "with side information", "one_hot": "no SI: one-hot ids", "none": "no SI: shared"}
 
 
@@ -142,71 +160,46 @@ def run_toy(seeds: int, out: Path, records: list) -> list[tuple[str, bool]]:
     ]
 
 
-# ---- 3. federated runs from configs ---------------------------------------------------------------------
-def read_curve(run_dir: Path) -> list[tuple[int, float]]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    points = []
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            value = row.get("val/acc_mean")
-            if value and (not points or float(value) != points[-1][1]):  # rows repeat the last evaluation
-                points.append((int(float(row["step"])), float(value)))
-    return points
+# ---- 3. federated runs from configs, with the generic experiment runner -----------------------------------------
+def setting_experiment(setting: str, methods: list[str], seeds: int, runs_dir: Path) -> Experiment:
+    """``configs/experiments/perfedsi_digits.yaml`` for the digits stand-in's default methods, else the same
+    grid built for ``configs/perfedsi/<setting>.yaml`` (run dirs ``runs/perfedsi-<setting>/<method>/...``)."""
+    if setting == "digits" and methods == DEFAULT_DIGITS:
+        experiment = load_experiment(EXPERIMENT, runs_dir=runs_dir)
+    else:
+        data = {
+            "name": f"perfedsi-{setting.replace('_', '-')}",
+            "description": f"PerFedSI on {setting}",
+            "configs": [str(CONFIGS / f"{setting}.yaml")],
+            "axes": {
+                "method": {LABELS[m]: str(CONFIGS / METHODS[m]) for m in methods},
+                "dataset": {"digits_shift" if setting == "digits" else setting: None},
+            },
+            "wandb": {"project": "fl_lightning"},
+        }
+        experiment = parse_experiment(data, source=f"experiments.perfedsi ({setting})", runs_dir=runs_dir)
+    return experiment.with_seeds(range(seeds))
 
 
 def run_setting(
-    setting: str, methods: list[str], seeds: int, rounds: int | None, out: Path, records: list
-) -> dict[str, list[float]]:
+    setting: str, methods: list[str], seeds: int, rounds: int | None, out: Path, records: list, runs_dir: Path
+) -> dict[str, list[float]] | int:
+    """Run the grid; print mean ± std over seeds; returns the last-10 accuracies per method (or an exit code)."""
+    experiment = setting_experiment(setting, methods, seeds, runs_dir)
+    extra = []
+    if rounds is not None:  # other rounds are another experiment (its own run dirs and W&B group)
+        experiment = dataclasses.replace(
+            experiment, name=f"{experiment.name}-r{rounds}", description=f"{rounds} rounds (--rounds)"
+        )
+        extra.append(f"--trainer.max_steps={rounds}")
+    result = run_experiment(experiment, extra, report_dir=out / setting)
+    if result.code:
+        return result.code
+    display = {v: k for k, v in LABELS.items()}
     per_method: dict[str, list[float]] = {m: [] for m in methods}
-    curves: dict[str, list[list[tuple[int, float]]]] = {m: [] for m in methods}
-    for seed in range(seeds):
-        for method in methods:
-            cfg = METHODS[method]
-            run_dir = out / "runs" / f"{setting}_{cfg[:-5]}_seed{seed}"
-            overrides = [f"--seed_everything={seed}", "--trainer.enable_checkpointing=false"]
-            if rounds is not None:
-                overrides.append(f"--trainer.max_steps={rounds}")
-            summary = train_config([CONFIGS / f"{setting}.yaml", CONFIGS / cfg], overrides, run_dir=run_dir)
-            per_method[method].append(summary["last10"])
-            curves[method].append(read_curve(run_dir))
-            records.append(record(setting, method, "acc_last10", summary["last10"], seed=seed, setting=setting))
-            records.append(record(setting, method, "wall_s", summary["wall_s"], seed=seed, setting=setting))
-    rows = [
-        (m, 100 * statistics.mean(v), 100 * statistics.pstdev(v), len(v), " ".join(f"{100 * a:.1f}" for a in v))
-        for m, v in per_method.items()
-    ]
-    print(f"\n{setting}: mean client accuracy (%), average of the last 10 evaluations, {seeds} seed(s)")
-    print(format_table(["method", "acc_last10", "std", "seeds", "per seed"], rows))
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    means = [100 * statistics.mean(v) for v in per_method.values()]
-    stds = [100 * statistics.pstdev(v) for v in per_method.values()]
-    ax.bar(range(len(methods)), means, yerr=stds, capsize=4, color=[f"C{i}" for i in range(len(methods))])
-    ax.set_xticks(range(len(methods)))
-    ax.set_xticklabels(methods, rotation=20, ha="right")
-    ax.set_ylim(max(0, min(means) - 15), min(100, max(means) + 5))
-    ax.set_ylabel("mean client accuracy (%)")
-    ax.set_title(f"{setting}: last-10 evaluations, mean ± std over {seeds} seed(s)")
-    fig.tight_layout()
-    fig.savefig(out / f"{setting}_acc.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, (method, runs) in enumerate(curves.items()):
-        runs = [r for r in runs if r]
-        if not runs:
-            continue
-        grid = np.arange(max(s for r in runs for s, _ in r) + 1)
-        acc = np.mean([np.interp(grid, [s for s, _ in r], [a for _, a in r]) for r in runs], axis=0)
-        ax.plot(grid, 100 * acc, color=f"C{i}", label=method)
-    ax.set_xlabel("communication round")
-    ax.set_ylabel("mean client accuracy (%)")
-    ax.set_title(f"{setting}: mean over seeds")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / f"{setting}_curves.png", dpi=120)
-    plt.close(fig)
+    for r in result.results:
+        per_method[display[r.axes["method"]]].append(float(r.summary["last10"]))
+    records += results_records(result.results)
     return per_method
 
 
@@ -232,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS))
     parser.add_argument("--skip-synthetic", action="store_true", help="only the federated runs")
     parser.add_argument("--out", type=Path, default=Path("results/perfedsi"))
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"), help="root of the federated runs' dirs")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -250,13 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         side_model = "PerFedSI (concat)" if args.setting.startswith("omniglot") else "PerFedSI"
         methods = [side_model, "FedAvg", "SR-PH", "PR-SH", "Ditto", "Local"]
-    acc = run_setting(args.setting, methods, args.seeds, args.rounds, args.out, records)
+    try:
+        acc = run_setting(args.setting, methods, args.seeds, args.rounds, args.out, records, args.runs_dir)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(acc, int):
+        return acc
     if args.setting == "digits" and {"PerFedSI", "FedAvg"} <= set(acc):
         checks += digits_checks(acc)
     print()
     for text, ok in checks:
         print(f"[{'ok' if ok else 'FAIL'}] {text}")
     path = write_results(records, args.out)
-    print(f"plots: {', '.join(sorted(p.name for p in args.out.glob('*.png')))}")
+    print(f"plots: {', '.join(sorted(str(p.relative_to(args.out)) for p in args.out.rglob('*.png')))}")
     print(f"results: {path}")
     return 0

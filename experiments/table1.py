@@ -1,31 +1,31 @@
 """FedRep's Table 1 (spec 000 §4.1): every method in every column, next to the paper's numbers.
 
-``python -m experiments table1 --dataset digits`` runs the 15 methods on the bundled digits split
-(20 clients, 2 classes each, r = 0.2; ``configs/digits/``). ``--dataset real`` runs the paper's columns
-(``configs/table1/<column>.yaml`` composed with ``configs/methods/<method>.yaml``; the data must be on disk).
-``--columns``/``--methods`` pick a sub-grid, ``--seeds N`` repeats with seeds 0..N−1, ``--rounds T``
-shortens runs. Accuracy is the mean client test accuracy averaged over the last 10 rounds (the "+FT"
-rows: once, after fine-tuning), then over seeds. All runs of one invocation share one W&B group.
-
-Writes ``table1.csv``, ``table1_<column>.png`` and ``results.json`` (metric ``acc_last10``) under ``--out``.
+Each column is an experiment file run by the generic runner (``python -m fl_lightning.experiment run``):
+``configs/experiments/table1_digits.yaml`` (the bundled digits split, ``--dataset digits``, the default) and
+``configs/experiments/table1_<column>.yaml`` for the paper's columns (``--dataset real``; the data must be on disk),
+15 methods × 3 seeds each, with the paper's per-column settings as overrides in the files. This wrapper picks a
+sub-grid (``--columns``, ``--methods``, ``--seeds N``, ``--rounds T``; other rounds make another experiment with its
+own run dirs), prints mean ± std over seeds next to the paper and the ordering checks on the means, and writes
+``table1.csv``, ``table1_<column>.png`` and ``results.json`` (fractions) under ``--out``. Finished runs in
+``runs/<experiment>/`` are reused, unfinished ones resumed.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from experiments import ROOT
-from fl_lightning.cli import train_config
 from fl_lightning.errors import ConfigError
-from fl_lightning.results import bar_chart, format_table, record, write_results
+from fl_lightning.experiment.report import results_records
+from fl_lightning.experiment.runner import run_experiment
+from fl_lightning.experiment.spec import Experiment, load_experiment
+from fl_lightning.results import bar_chart, format_table, write_results
 
 CONFIGS = ROOT / "configs"
 
@@ -78,43 +78,6 @@ PAPER: dict[str, list[float]] = {
     "fedrep": [87.70, 75.68, 83.27, 79.15, 56.10, 72.41, 78.56],
 }
 
-A = "--model.algorithm.init_args."
-
-# Local epochs per column (spec 000 §2.4, §3.2): "all other methods use the same number of local epochs as
-# FedRep does for updating the representation": 1 on CIFAR-10 with n = 100, 5 in every other column.
-EPOCHS = {c: (1 if c in ("cifar10_100x2", "cifar10_100x5") else 5) for c in REAL_COLUMNS}
-
-# LG-FedAvg's local layers per network (spec 000 §2.4, the paper's text): CIFAR: the two conv layers;
-# FEMNIST: everything but the output layer; Sent140: the RNN module.
-LG_LOCAL = {"cifar": "[body.conv1.,body.conv2.]", "femnist": "[body.]", "sent140": "[body.lstm.]"}
-
-
-def tuned(column: str, method: str) -> list[str]:
-    """The paper's dataset-specific settings (spec 000 §2.4 "Method-specific details", §3.2) as overrides."""
-    out: list[str] = []
-    epochs = EPOCHS[column]
-    out += [A + ("body_epochs" if method == "fedrep" else "local_epochs"), str(epochs)]
-    if method in ("fedprox", "fedprox_ft") and column.startswith(("femnist", "sent140")):
-        out += [A + "mu", "0.25"]  # μ = 0.25 on FEMNIST and Sent140
-    if method in ("scaffold", "scaffold_ft") and column.startswith("femnist"):
-        out += ["--model.server_lr", "0.5"]  # SCAFFOLD global lr 0.5 on FEMNIST
-    if method == "ditto" and column.startswith("cifar100"):
-        out += [A + "lam", "1.0"]  # λ = 1 on CIFAR-100
-    if method == "l2gd" and column == "cifar100_100x5":
-        out += [A + "alpha", "0.1"]  # α = 0.1 on CIFAR-100 (100,5)
-    if method == "l2gd" and column.startswith("femnist"):
-        out += ["--model.lr", "0.001"]  # L2GD uses lr 0.001 on FEMNIST
-    if method == "lg_fedavg":
-        out += [A + "personal", LG_LOCAL["cifar" if column.startswith("cifar") else column.split("_")[0]]]
-    return out
-
-
-def grid_args(dataset: str, column: str, method: str) -> tuple[list[Path], list[str]]:
-    """Configs and overrides of one cell."""
-    if dataset == "digits":
-        return [CONFIGS / "digits" / "base.yaml", CONFIGS / "digits" / f"{method}.yaml"], []
-    return [CONFIGS / "table1" / f"{column}.yaml", CONFIGS / "methods" / f"{method}.yaml"], tuned(column, method)
-
 
 def pattern_checks(acc: dict[str, float]) -> list[tuple[str, bool]]:
     """Issue 4's ordering: personalised and +FT methods clearly (≥ 5 points) beat the global models;
@@ -139,106 +102,99 @@ def pattern_checks(acc: dict[str, float]) -> list[tuple[str, bool]]:
     return checks
 
 
+def experiment_for(column: str, runs_dir: Path = Path("runs")) -> Experiment:
+    """The experiment file of one column (``digits`` or one of ``REAL_COLUMNS``)."""
+    name = "table1_digits.yaml" if column == "digits" else f"table1_{column}.yaml"
+    return load_experiment(CONFIGS / "experiments" / name, runs_dir=runs_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     names = [m for _, m in METHODS]
     parser = argparse.ArgumentParser(prog="python -m experiments table1", description=__doc__)
     parser.add_argument("--dataset", choices=["digits", "real"], default="digits")
     parser.add_argument("--columns", nargs="+", default=None, help=f"real columns (default all): {REAL_COLUMNS}")
     parser.add_argument("--methods", nargs="+", default=names, choices=names, metavar="METHOD", help=f"{names}")
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the files', 3)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per run (default: the configs' T)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (worker processes)")
+    parser.add_argument("--runs-dir", type=Path, default=Path("runs"))
     parser.add_argument("--out", type=Path, default=Path("results/table1"))
-    parser.add_argument("--wandb.group", dest="group", default=None, help="W&B group (default table1-<time>)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py overrides, last")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more train.py arguments, last")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
 
     if args.dataset == "digits":
-        if args.columns not in (None, ["digits_20x2"]):
-            parser.error("--dataset digits has the single column digits_20x2")
-        columns = ["digits_20x2"]
+        if args.columns not in (None, ["digits"]):
+            parser.error("--dataset digits has the single column digits")
+        columns = ["digits"]
     else:
         columns = args.columns or REAL_COLUMNS
         unknown = [c for c in columns if c not in REAL_COLUMNS]
         if unknown:
             parser.error(f"unknown columns {unknown}; known: {REAL_COLUMNS}")
-    group = args.group or f"table1-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
+    acc: dict[str, dict[str, list[float]]] = {}
     records: list[dict[str, Any]] = []
-    acc: dict[str, dict[str, list[float]]] = {c: {m: [] for m in args.methods} for c in columns}
-    start = time.perf_counter()
     for column in columns:
-        for seed in range(args.seeds):
-            for method in args.methods:
-                configs, overrides = grid_args(args.dataset, column, method)
-                overrides += [
-                    f"--seed_everything={seed}",
-                    "--trainer.enable_checkpointing=false",
-                    f"--wandb.group={group}",
-                    f"--wandb.name={column}-{method}-s{seed}",
-                ]
-                if args.rounds is not None:
-                    overrides.append(f"--trainer.max_steps={args.rounds}")
-                try:
-                    summary = train_config(
-                        configs, overrides + list(args.extra), run_dir=args.out / "runs" / f"{column}_{method}_s{seed}"
-                    )
-                except (ConfigError, FileNotFoundError) as exc:
-                    print(f"error: {column} / {method}: {exc}", file=sys.stderr)
-                    return 2
-                value = 100 * summary["last10"]  # shown in %, stored as a fraction
-                acc[column][method].append(value)
-                records.append(record(column, method, "acc_last10", value / 100, seed=seed, setting=group))
-                records.append(record(column, method, "wall_s", summary["wall_s"], seed=seed, setting=group))
-                print(f"[table1] {column} {method} seed {seed}: {value:.2f}% ({summary['wall_s']:.1f}s)", flush=True)
-    elapsed = time.perf_counter() - start
+        try:
+            experiment = experiment_for(column, args.runs_dir).select("method", args.methods)
+            if args.seeds is not None:
+                experiment = experiment.with_seeds(range(args.seeds))
+            extra = list(args.extra)
+            if args.rounds is not None:
+                experiment = dataclasses.replace(
+                    experiment, name=f"{experiment.name}-r{args.rounds}", description=f"{args.rounds} rounds (--rounds)"
+                )
+                extra.append(f"--trainer.max_steps={args.rounds}")
+            result = run_experiment(experiment, extra, jobs=args.jobs, report_dir=args.out / column)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if result.code:
+            return result.code
+        acc[column] = {m: [] for m in args.methods}
+        for r in result.results:
+            acc[column][r.axes["method"]].append(100 * float(r.summary["last10"]))  # shown in %, stored as fractions
+        records += results_records(result.results)
 
-    label = LABEL
-    mean = {c: {m: statistics.mean(v) for m, v in acc[c].items()} for c in columns}
+    mean = {c: {m: statistics.fmean(v) for m, v in acc[c].items()} for c in columns}
+    seeds = max(len(v) for c in columns for v in acc[c].values())
     rows = []
     for method in args.methods:
-        row: list[Any] = [label[method]]
+        row: list[Any] = [LABEL[method]]
         for c in columns:
-            row.append(mean[c][method])
+            values = acc[c][method]
+            row.append(f"{mean[c][method]:.2f}" + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""))
             if c in REAL_COLUMNS:
-                row.append(PAPER[method][REAL_COLUMNS.index(c)])
-        if args.seeds > 1:
-            row.append(max(statistics.pstdev(acc[c][method]) for c in columns))
+                row.append(f"{PAPER[method][REAL_COLUMNS.index(c)]:.2f}")
         rows.append(row)
     headers = ["method"]
     for c in columns:
-        headers += [c] + ([f"{c} paper"] if c in REAL_COLUMNS else [])
-    if args.seeds > 1:
-        headers.append("max std")
-    for m in args.methods:
-        for c in columns:
-            records.append(record(c, m, "acc_last10_mean", mean[c][m] / 100, setting=group))
+        headers += [f"{c} (%)"] + ([f"{c} paper"] if c in REAL_COLUMNS else [])
 
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "table1.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(headers)
-        writer.writerows([[f"{v:.2f}" if isinstance(v, float) else v for v in r] for r in rows])
+        writer.writerows(rows)
     print()
-    print(f"FedRep Table 1 ({args.dataset}): mean client test accuracy (%), last 10 rounds, {args.seeds} seed(s)")
-    print(format_table(headers, [[f"{v:.2f}" if isinstance(v, float) else v for v in r] for r in rows]))
+    print(f"FedRep Table 1 ({args.dataset}): mean client test accuracy (%), last 10 rounds, "
+          f"mean ± std over {seeds} seed(s)")  # fmt: skip
+    print(format_table(headers, rows))
     for c in columns:
         print()
-        print(f"pattern checks, {c}:")
+        print(f"pattern checks, {c} (on the means over seeds):")
         for text, ok in pattern_checks(mean[c]):
             print(f"[{'ok' if ok else 'FAIL'}] {text}")
         ref = [PAPER[m][REAL_COLUMNS.index(c)] for m in args.methods] if c in REAL_COLUMNS else None
         bar_chart(
             args.out / f"table1_{c}.png",
-            [label[m] for m in args.methods],
+            [LABEL[m] for m in args.methods],
             [mean[c][m] for m in args.methods],
             "mean client test accuracy (%)",
-            f"Table 1, {c}: last-10-round average over {args.seeds} seed(s)",
+            f"Table 1, {c}: last-10-round average, mean over {seeds} seed(s)",
             reference=ref,
         )
     print()
-    print(f"total wall time: {elapsed:.0f}s; W&B group: {group}")
     print(f"csv: {args.out / 'table1.csv'}")
     path = write_results(records, args.out)
     print(f"results: {path}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +70,8 @@ class WandbOptions:
     name: str | None = None
     tags: list[str] = field(default_factory=list)
     mode: str = "auto"
+    job_type: str | None = None
+    histogram_every: int = 10  #: a histogram of the per-client accuracies every N evaluations (0: never)
 
 
 def _wandb_mode(requested: str) -> str:
@@ -83,18 +84,26 @@ def _wandb_mode(requested: str) -> str:
     return "online" if logged_in else "offline"
 
 
-def make_loggers(run_dir: Path, wandb: WandbOptions, config: dict[str, Any], stage: str = "fit") -> list[Any]:
-    """CSV (``run_dir/metrics.csv``; ``run_dir/<stage>/`` for validate and test, so that a training run's
-    metrics are never overwritten) and W&B (a ``validate``/``test`` run is its own W&B run, same group)."""
+def make_loggers(
+    run_dir: Path, wandb: WandbOptions, config: dict[str, Any], stage: str = "fit", resume: bool = False
+) -> list[Any]:
+    """CSV (``run_dir/metrics.csv``, extended by a resumed fit; ``run_dir/<stage>/`` for validate and test, so
+    that a training run's metrics are never overwritten) and W&B (a resumed fit continues the W&B run whose id is
+    stored in the run dir; a ``validate``/``test`` run is its own W&B run, same group)."""
     from lightning.pytorch.loggers import CSVLogger
 
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="", version="" if stage == "fit" else stage)]
+    from fl_lightning.loggers import ResumableCSVLogger, wandb_run_id
+
+    if stage == "fit":
+        loggers: list[Any] = [ResumableCSVLogger(save_dir=str(run_dir), resume=resume)]
+    else:
+        loggers = [CSVLogger(save_dir=str(run_dir), name="", version=stage)]
     mode = _wandb_mode(wandb.mode)
     if mode != "disabled":
         from lightning.pytorch.loggers import WandbLogger
 
         name = wandb.name or run_dir.name
-        extra = {} if stage == "fit" else {"job_type": stage}
+        extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
         logger = WandbLogger(
             project=wandb.project,
             group=wandb.group,
@@ -102,7 +111,7 @@ def make_loggers(run_dir: Path, wandb: WandbOptions, config: dict[str, Any], sta
             tags=list(wandb.tags),
             save_dir=str(run_dir),
             mode=mode,
-            **extra,
+            **{"job_type": wandb.job_type, **extra},
         )
         logger.log_hyperparams(config)
         loggers.append(logger)
@@ -114,6 +123,7 @@ def _make_cli_class(stage: str = "fit"):
     from lightning.pytorch.cli import LightningCLI
 
     from fl_lightning.callbacks import RoundCheckpoint
+    from fl_lightning.loggers import is_launching_process
     from fl_lightning.module import FP16_REFUSED
     from fl_lightning.progress import round_progress
 
@@ -130,6 +140,9 @@ def _make_cli_class(stage: str = "fit"):
             )
             parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
             parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
+            parser.add_argument(
+                "--overwrite", type=bool, default=False, help="fit: replace the run that --run_dir holds."
+            )
 
         def before_instantiate_classes(self) -> None:
             from fl_lightning.sizes import share_sizes  # issue 18: network sizes come from the data
@@ -147,11 +160,16 @@ def _make_cli_class(stage: str = "fit"):
             if cfg.checkpoint_every < 1:
                 raise ConfigError(f"checkpoint_every must be ≥ 1, got {cfg.checkpoint_every}")
             run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
+            trial = bool(trainer_cfg.get("fast_dev_run"))  # writes nothing into the run dir
+            if stage == "fit" and not trial and is_launching_process():  # DDP workers start after this check
+                guard_run_dir(run_dir, cfg.ckpt_path, cfg.overwrite, trainer_cfg.get("max_steps"))
             run_dir.mkdir(parents=True, exist_ok=True)
             self.run_dir = run_dir
-            if trainer_cfg.get("logger") in (None, True):
-                dump = self.parser.dump(cfg, skip_none=False, format="json")
-                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, json.loads(dump), stage)
+            full_config = json.loads(self.parser.dump(cfg, skip_none=False, format="json"))
+            if trial:
+                kwargs["logger"] = False
+            elif trainer_cfg.get("logger") in (None, True):
+                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, full_config, stage, resume=bool(cfg.ckpt_path))
             kwargs["default_root_dir"] = str(run_dir)
             callbacks = list(trainer_cfg.get("callbacks") or [])
             user_last = any(isinstance(c, ModelCheckpoint) and c.save_last for c in callbacks)
@@ -174,8 +192,18 @@ def _make_cli_class(stage: str = "fit"):
                 isinstance(c, ProgressBar) for c in callbacks
             ):
                 callbacks.append(round_progress())
+            if cfg.wandb.histogram_every > 0 and _wandb_mode(cfg.wandb.mode) != "disabled":
+                from fl_lightning.loggers import client_histogram_callback
+
+                callbacks.append(client_histogram_callback(cfg.wandb.histogram_every))
             kwargs["callbacks"] = callbacks
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
+            if trainer_cfg.get("logger") not in (None, True, False):  # loggers from --trainer.logger
+                from fl_lightning.loggers import wandb_loggers
+
+                for logger in wandb_loggers(trainer.loggers):
+                    logger.log_hyperparams(full_config)  # the full resolved config, not only the module's
+            return trainer
 
     return FederatedCLI
 
@@ -197,9 +225,42 @@ def validation_schedule(trainer_cfg: dict[str, Any], eval_every: int | None) -> 
 
 
 def default_run_dir(cfg: Any) -> Path:
+    """``runs/<config file names>``; a trial of a W&B sweep agent: ``runs/sweep-<sweep id>/<run id>``."""
+    if os.environ.get("WANDB_SWEEP_ID") and os.environ.get("WANDB_RUN_ID"):
+        return Path("runs") / f"sweep-{os.environ['WANDB_SWEEP_ID']}" / os.environ["WANDB_RUN_ID"]
     configs = cfg.get("config") or []
     stem = "_".join(Path(str(c)).stem for c in configs) or "run"
     return Path("runs") / stem
+
+
+class RunFinished(Exception):
+    """``--ckpt_path`` on a run whose ``summary.json`` already reports ``trainer.max_steps`` rounds."""
+
+    def __init__(self, run_dir: Path, summary: dict[str, Any]) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir, self.summary = run_dir, summary
+
+
+def guard_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, max_steps: int | None) -> None:
+    """A run dir holds one run: starting again in it needs ``--overwrite``; resuming a finished run is a no-op."""
+    from fl_lightning.loggers import clear_run_dir, run_dir_state
+
+    state = run_dir_state(run_dir)
+    if overwrite:
+        clear_run_dir(run_dir)
+        return
+    if state is None:
+        return
+    if ckpt_path is None:
+        what = "an unfinished run" if state == "unfinished" else "a finished run (summary.json)"
+        raise ConfigError(
+            f"{run_dir} holds {what}: resume it with --ckpt_path last, start it again with --overwrite, "
+            "or pick another --run_dir"
+        )
+    if state == "finished":
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if not max_steps or max_steps < 0 or summary.get("rounds", 0) >= max_steps or summary.get("stopped_early"):
+            raise RunFinished(run_dir, summary)
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -406,6 +467,10 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
         )
     except ArgumentError as exc:
         raise ConfigError(_one_line(exc)) from None
+    except RunFinished as done:
+        print(f"{done.run_dir} is finished ({done.summary.get('rounds')} rounds, summary.json): nothing to resume; "
+              "--overwrite trains it again")  # fmt: skip
+        return done.summary
     except (TypeError, ValueError, MisconfigurationException) as exc:  # our constructors' or Lightning's checks
         raise ConfigError(_one_line(exc)) from None
     cli.datamodule.setup(stage)  # surface data errors before Lightning starts
@@ -421,16 +486,27 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
 
 
 def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
-    start = time.perf_counter()
+    """Train; at the end (only when the last round was reached) write ``summary.json`` whole, ``history.json`` and
+    ``clients.csv``, and send the summary and the per-client table to W&B. ``fast_dev_run`` writes nothing."""
+    from fl_lightning.loggers import log_run_end, write_clients_csv
+
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
     summary = dict(cli.model.summary)
-    summary["wall_s"] = time.perf_counter() - start
+    trial = bool(cli.trainer.fast_dev_run)
     if cli.trainer.is_global_zero and summary:
         print()
         print(format_table([summary]))
-        (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        (cli.run_dir / "history.json").write_text(json.dumps(cli.model.history, indent=1))
-        print(f"run: {cli.run_dir}")
+        clients = cli.model.final_clients.rows() if cli.model.final_clients is not None else None
+        stopped_early = cli.model.rounds_trained < cli.trainer.max_steps  # EarlyStopping, max_time, …
+        if stopped_early:
+            summary["stopped_early"] = True
+        if not trial and cli.trainer.state.status == "finished":  # not after an exception or an interrupt
+            (cli.run_dir / "history.json").write_text(json.dumps(cli.model.history, indent=1))
+            if clients:
+                write_clients_csv(cli.run_dir / "clients.csv", clients)
+            log_run_end(cli.trainer.loggers, summary, clients)
+            (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: marks the run finished
+        print(f"run: {cli.run_dir}" if not trial else "fast_dev_run: nothing written")
     return summary
 
 

@@ -27,7 +27,7 @@ from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client_data import FederatedData
 from fl_lightning.executors import FEATURE_CHUNK, has_batchnorm, stack
 from fl_lightning.local import Params
-from fl_lightning.metrics import PerClientScores, principal_angle_distance
+from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
 if TYPE_CHECKING:
     from fl_lightning.module import FederatedModule
@@ -82,9 +82,11 @@ class ClientEvaluation:
     acc_mean: float
     acc_weighted: float
     loss_mean: float
+    samples_per_client: Tensor | None = None  #: test samples of each client (0: the client has none)
 
     @classmethod
     def from_scores(cls, scores: dict[str, Tensor], round_idx: int) -> ClientEvaluation:
+        samples = scores.get("samples_per_client")
         return cls(
             round_idx,
             scores["acc_per_client"].detach().cpu(),
@@ -92,7 +94,33 @@ class ClientEvaluation:
             float(scores["acc_mean"]),
             float(scores["acc_weighted"]),
             float(scores["loss_mean"]),
+            None if samples is None else samples.detach().cpu(),
         )
+
+    def spread(self, regression: bool = False) -> dict[str, float]:
+        """The spread over clients with test data (``fl_lightning.metrics.client_spread``), named as logged:
+        ``acc_std``, ``acc_worst10``, ``acc_min`` (regression: ``mse_std``, ``mse_worst10``, ``mse_max``)."""
+        samples = self.samples_per_client
+        if samples is None:
+            samples = torch.ones_like(self.acc_per_client)
+        if regression:
+            s = client_spread(self.loss_per_client, samples, higher_is_better=False)
+            return {"mse_std": s["std"], "mse_worst10": s["worst10"], "mse_max": s["worst"]}
+        s = client_spread(self.acc_per_client, samples)
+        return {"acc_std": s["std"], "acc_worst10": s["worst10"], "acc_min": s["worst"]}
+
+    def rows(self) -> list[dict[str, float]]:
+        """One row per client: ``client, samples, accuracy, loss`` (``clients.csv``, the W&B table)."""
+        samples = self.samples_per_client
+        return [
+            {
+                "client": c,
+                "samples": int(samples[c]) if samples is not None else -1,
+                "accuracy": float(self.acc_per_client[c]),
+                "loss": float(self.loss_per_client[c]),
+            }
+            for c in range(self.acc_per_client.numel())
+        ]
 
 
 def validation_metrics(result: ClientEvaluation, fed: FederatedData, net: nn.Module, prefix: str = "val") -> dict:
@@ -104,6 +132,7 @@ def validation_metrics(result: ClientEvaluation, fed: FederatedData, net: nn.Mod
         metrics[f"{prefix}/acc_mean"] = result.acc_mean
         metrics[f"{prefix}/acc_weighted"] = result.acc_weighted
         metrics[f"{prefix}/loss"] = result.loss_mean
+    metrics.update({f"{prefix}/{k}": v for k, v in result.spread(fed.num_classes is None).items()})
     if "B_star" in fed.extras and hasattr(net, "representation"):
         metrics[f"{prefix}/dist_B"] = float(principal_angle_distance(fed.extras["B_star"], net.representation.detach()))
     return metrics

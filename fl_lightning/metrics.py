@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
@@ -36,7 +38,24 @@ class PerClientScores(Metric):
             "acc_mean": acc[has_data].mean(),
             "acc_weighted": self.correct.sum() / self.total.sum().clamp(min=1),
             "loss_mean": loss[has_data].mean(),
+            "samples_per_client": self.total,
         }
+
+
+def client_spread(values: Tensor, samples: Tensor, higher_is_better: bool = True) -> dict[str, float]:
+    """How a per-client figure spreads over the clients that have test data (``samples > 0``): ``std`` (the
+    population standard deviation over clients), ``worst10`` (the mean over the worst 10 % of them, at least one
+    client: the lowest accuracies, or the highest errors) and ``worst`` (the single worst client)."""
+    v = values[samples > 0].double()
+    if v.numel() == 0:
+        return {"std": float("nan"), "worst10": float("nan"), "worst": float("nan")}
+    k = max(1, math.ceil(0.1 * v.numel()))
+    ordered = torch.sort(v, descending=not higher_is_better).values
+    return {
+        "std": float(v.std(unbiased=False)),
+        "worst10": float(ordered[:k].mean()),
+        "worst": float(ordered[0]),
+    }
 
 
 def orthonormal_basis(b: Tensor) -> Tensor:

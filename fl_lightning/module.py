@@ -169,7 +169,11 @@ class FederatedModule(L.LightningModule):
         self.last_evaluation: ClientEvaluation | None = None  #: per-client numbers of the latest evaluation
         self.summary: dict[str, Any] = {}  #: the run's result row, set at the end of fit
         self.rounds_trained = 0  #: rounds whose update is in the global model (restored from checkpoints)
+        self.final_clients: ClientEvaluation | None = None  #: the per-client numbers behind the summary's final
+        self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
+        self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
         self._fit_start = 0.0
+        self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
@@ -409,11 +413,16 @@ class FederatedModule(L.LightningModule):
                 "train/loss": stats.mean_loss,
                 "train/clients": stats.survivors,
                 "comm/upload_bytes": stats.upload_bytes,
+                "comm/upload_bytes_total": self._count_upload(stats.upload_bytes),
                 "comm/download_bytes": float(self.ledger.download_bytes),
                 "round": float(round_idx),
             },
             prog_bar=False,
         )
+
+    def _count_upload(self, round_bytes: float) -> float:
+        self.upload_bytes += float(round_bytes)
+        return self.upload_bytes
 
     def _check_finite(self, backup: Params, round_idx: int) -> None:
         """Stop with a one-line error if the global model turned non-finite, after saving the last good state."""
@@ -504,6 +513,9 @@ class FederatedModule(L.LightningModule):
         """Every key ``on_validation_epoch_end`` logs (a callback may monitor any of them)."""
         key = main_metric(self.fed)
         names = {key, key.replace("_mean", "_last10")}
+        spread = ("mse_std", "mse_worst10", "mse_max") if self.fed.num_classes is None else ("acc_std", "acc_worst10",
+                                                                                             "acc_min")  # fmt: skip
+        names |= {f"val/{k}" for k in spread}
         if self.fed.num_classes is not None:
             names |= {"val/acc_weighted", "val/loss"}
         if "B_star" in self.fed.extras and hasattr(self.net, "representation"):
@@ -555,6 +567,7 @@ class FederatedModule(L.LightningModule):
         if self.finetune is not None:
             ft = self.evaluate_clients(round_idx, finetune=self.finetune, split=split)
             out["final/acc_ft"] = float(ft["acc_mean"])
+            self.finetuned_clients = ClientEvaluation.from_scores(ft, round_idx)
         return out
 
     # ---- end of fit ----------------------------------------------------------------------------------------
@@ -563,12 +576,16 @@ class FederatedModule(L.LightningModule):
         key = main_metric(self.fed)
         last = self.history[-1] if self.history else {}
         recent = self.history[-self.eval_last :]
+        lower_is_better = self.fed.num_classes is None
+        values = [h[key] for h in self.history]
         summary = {
             "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
             "rounds": self.rounds_trained,
             "final": last.get(key, float("nan")),
             "last10": sum(h[key] for h in recent) / max(len(recent), 1),
-            "wall_s": time.perf_counter() - self._fit_start,
+            "best": (min(values) if lower_is_better else max(values)) if values else float("nan"),
+            "wall_s": self.wall_seconds(),
+            "upload_bytes": self.upload_bytes,
             "metric": key.split("/")[1].replace("_mean", ""),
         }
         if "val/dist_B" in last:
@@ -577,8 +594,14 @@ class FederatedModule(L.LightningModule):
         for name in ("acc", "mse"):
             if f"final/new_clients_{name}" in end:
                 summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
+        self.final_clients = self.last_evaluation
         if "final/acc_ft" in end:
             summary["final"] = summary["last10"] = end["final/acc_ft"]
+            self.final_clients = self.finetuned_clients
+        if self.final_clients is not None and self.final_clients.round == self.rounds_trained - 1:
+            summary.update(
+                {f"final_{k.split('_', 1)[1]}": v for k, v in self.final_clients.spread(lower_is_better).items()}
+            )
         if end:
             for logger in self.loggers:
                 logger.log_metrics(end, step=self.rounds_trained - 1)
@@ -616,8 +639,14 @@ class FederatedModule(L.LightningModule):
             return f"the checkpoint does not fit this model: {k} has shape {theirs_shape} there and {ours_shape} here"
         return None
 
+    def wall_seconds(self) -> float:
+        """Training time of the run, over every process that trained it (resumes included)."""
+        return self._wall_before + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["fl_history"] = list(self.history)
+        checkpoint["fl_upload_bytes"] = self.upload_bytes
+        checkpoint["fl_wall_s"] = self.wall_seconds()
         checkpoint["fl_identity"] = self.identity()
         last = self.rounds_trained - 1
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING and last >= 0:
@@ -630,6 +659,8 @@ class FederatedModule(L.LightningModule):
             raise ConfigError(problem)
         self.history = list(checkpoint.get("fl_history", []))
         self.rounds_trained = int(checkpoint.get("global_step", 0))
+        self.upload_bytes = float(checkpoint.get("fl_upload_bytes", 0.0))
+        self._wall_before = float(checkpoint.get("fl_wall_s", 0.0))
         skipped = checkpoint.get("fl_skips_validation_of")
         if skipped is not None and self.trainer.state.fn == TrainerFn.FITTING:
             log.warning(

@@ -1,7 +1,8 @@
 """Dry run of every Table 1 method config on every column config (one round on tiny real-format fixtures).
 
-Each cell is run as the Table-1 runner runs it: ``configs/table1/<column>.yaml`` + ``configs/methods/<method>.yaml``
-+ the runner's per-column settings (``experiments.table1.tuned``) + the fixture's overrides, in process.
+Each cell is run as the experiment file ``configs/experiments/table1_<column>.yaml`` composes it:
+``configs/table1/<column>.yaml`` + ``configs/methods/<method>.yaml`` + the paper's per-column settings (overrides in
+the file) + the fixture's overrides, in process.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from data_fixtures import make_fixture  # a broken import fails the module; it never turns into skips
 
-from experiments.table1 import METHODS, REAL_COLUMNS, grid_args
+from experiments.table1 import METHODS, REAL_COLUMNS, experiment_for
 from fl_lightning.cli import train_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,10 @@ def test_every_method_and_column_has_a_config():
     stems = {p.stem for p in (ROOT / "configs" / "methods").glob("*.yaml")}
     assert sorted(stems - PFL_BASELINES) == sorted(m for _, m in METHODS)
     assert sorted(COLUMNS) == sorted(REAL_COLUMNS)
+    for column in ["digits", *REAL_COLUMNS]:
+        experiment = experiment_for(column)
+        assert [p.label for p in experiment.axes["method"]] == [m for _, m in METHODS]
+        assert [p.value for p in experiment.axes["seed"]] == [0, 1, 2]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,8 @@ def fixtures(tmp_path_factory):
 @pytest.mark.parametrize("column", REAL_COLUMNS)
 @pytest.mark.parametrize("method", [m for _, m in METHODS])
 def test_dry_run(column, method, fixtures, tmp_path):
-    configs, overrides = grid_args("real", column, method)
+    run = next(r for r in experiment_for(column).runs() if r.labels["method"] == method and r.seed == 0)
+    configs, overrides = run.configs, run.overrides
     # keep the runner's per-column settings (they are parsed and validated), then make the round cheap
     cheap = ["--model.algorithm.init_args." + ("body_epochs" if method == "fedrep" else "local_epochs"), "1"]
     cheap += ["--model.algorithm.init_args.head_epochs", "1"] if method == "fedrep" else []
@@ -68,12 +74,14 @@ def test_dry_run(column, method, fixtures, tmp_path):
 
 
 def test_runner_applies_the_papers_column_settings():
-    """Spec 000 §2.4 / §3.2: the dataset-specific values the runner adds to the method configs."""
-    from experiments.table1 import tuned
+    """Spec 000 §2.4 / §3.2: the dataset-specific values the experiment files add to the method configs."""
+    import yaml
 
     def opts(column, method):
-        args = tuned(column, method)
-        return {k.split(".")[-1]: v for k, v in zip(args[::2], args[1::2])}
+        path = ROOT / "configs" / "experiments" / f"table1_{column}.yaml"
+        entry = yaml.safe_load(path.read_text())["axes"]["method"][method]
+        return {k.split(".")[-1]: (f"[{','.join(v)}]" if isinstance(v, list) else str(v))
+                for k, v in entry.items() if k != "config"}  # fmt: skip
 
     assert opts("cifar10_100x2", "fedavg")["local_epochs"] == "1"
     assert opts("cifar10_1000x2", "fedavg")["local_epochs"] == "5"
@@ -105,12 +113,23 @@ def test_runner_on_digits_writes_table_and_results(tmp_path, capsys):
 
     from experiments.table1 import main
 
-    assert main(["--dataset", "digits", "--methods", "fedavg", "fedrep", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    argv = ["--dataset", "digits", "--methods", "fedavg", "fedrep", "--rounds", "2", "--seeds", "2"]
+    assert main([*argv, "--out", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == f"results: {tmp_path / 'results.json'}"
-    assert "FedRep" in out and (tmp_path / "table1.csv").exists() and (tmp_path / "table1_digits_20x2.png").exists()
+    assert "FedRep" in out and (tmp_path / "table1.csv").exists() and (tmp_path / "table1_digits.png").exists()
     rows = [r for r in json.loads((tmp_path / "results.json").read_text()) if r["metric"] == "acc_last10"]
-    assert {r["method"] for r in rows} == {"fedavg", "fedrep"} and all(0 <= r["value"] <= 1 for r in rows)
+    assert sorted((r["method"], r["seed"]) for r in rows) == [
+        ("fedavg", 0),
+        ("fedavg", 1),
+        ("fedrep", 0),
+        ("fedrep", 1),
+    ]
+    assert all(0 <= r["value"] <= 1 for r in rows)
+    # one run dir per (method, seed), named by the axis labels, under the experiment's name
+    dirs = (tmp_path / "runs" / "table1-digits-r2").glob("*/digits/s*")
+    found = sorted(f"{p.parent.parent.name}/{p.name}" for p in dirs)
+    assert found == ["fedavg/s0", "fedavg/s1", "fedrep/s0", "fedrep/s1"]
 
 
 def test_runner_on_a_real_column_prints_the_paper_next_to_ours(tmp_path, capsys):
@@ -118,6 +137,7 @@ def test_runner_on_a_real_column_prints_the_paper_next_to_ours(tmp_path, capsys)
 
     extra = [*make_fixture("cifar10_100x2", tmp_path), "--model.eval_last=1"]
     argv = ["--dataset", "real", "--columns", "cifar10_100x2", "--methods", "fedavg", "fedrep", "--rounds", "1"]
+    argv += ["--seeds", "1", "--runs-dir", str(tmp_path / "runs")]
     assert main([*argv, "--out", str(tmp_path / "out"), "--extra", *extra]) == 0
     out = capsys.readouterr().out
     assert "cifar10_100x2 paper" in out and "87.70" in out and "42.65" in out  # Table 1's FedRep and FedAvg
@@ -129,7 +149,8 @@ def test_real_data_method_configs_use_the_papers_values_not_ones_chosen_on_digit
     the paper's p, α, λ and the column's local epochs, not the digits config's 5 epochs (issue 15, item 5)."""
     import yaml
 
-    from experiments.table1 import EPOCHS, tuned
+    # spec 000 §2.4, §3.2: every method runs FedRep's representation epochs: 1 on CIFAR-10 with n = 100, else 5
+    epochs = {c: 1 if c in ("cifar10_100x2", "cifar10_100x5") else 5 for c in REAL_COLUMNS}
 
     def init_args(method):
         return yaml.safe_load((ROOT / "configs" / "methods" / f"{method}.yaml").read_text())["model"]["algorithm"][
@@ -141,5 +162,5 @@ def test_real_data_method_configs_use_the_papers_values_not_ones_chosen_on_digit
     l2gd = init_args("l2gd")
     assert (l2gd["p"], l2gd["alpha"], l2gd["lam"]) == (0.9, 0.25, 1.0)
     for column in REAL_COLUMNS:
-        args = tuned(column, "l2gd")
-        assert args[args.index("--model.algorithm.init_args.local_epochs") + 1] == str(EPOCHS[column])
+        run = next(r for r in experiment_for(column).runs() if r.labels["method"] == "l2gd")
+        assert f"--model.algorithm.init_args.local_epochs={epochs[column]}" in run.overrides

@@ -1,0 +1,443 @@
+"""Run the grid of an experiment: skip finished runs, resume unfinished ones, one log per run.
+
+Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
+(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Its
+output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis labels and the
+command. A run dir is
+
+- *finished* when its ``summary.json`` reports ``trainer.max_steps`` rounds: skipped;
+- *resumable* when it holds a checkpoint: continued with ``--ckpt_path last``;
+- otherwise started from scratch (``--overwrite`` clears what a run that never checkpointed left behind).
+
+A run dir written with other training arguments is not touched (one line says so; ``--overwrite`` reruns it).
+A failing run is reported with its dir and error and the others go on; the exit code is then 1. Ctrl-C stops
+the grid (exit 130); the same command later finishes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from fl_lightning.experiment.spec import Experiment, RunSpec
+
+TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
+
+
+@dataclass
+class Outcome:
+    run: RunSpec
+    status: str  # done, skipped, failed, interrupted
+    error: str = ""
+    seconds: float = 0.0
+
+
+# ---- the state of a run dir -------------------------------------------------------------------------------------
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def training_args(args: list[str]) -> list[str]:
+    """The arguments that decide what a run computes (the W&B settings are left out)."""
+    return [a for a in args if not a.startswith("--wandb.")]
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("*.ckpt"))
+
+
+def run_state(run: RunSpec, max_steps: int | None) -> str:
+    """``finished``, ``resume``, ``partial`` (files but nothing to resume from), ``new`` or ``mismatch``."""
+    d = run.run_dir
+    meta = read_json(d / "run.json")
+    if meta is not None and training_args(meta.get("args", [])) != training_args(run.args()):
+        return "mismatch"
+    summary = read_json(d / "summary.json")
+    if isinstance(summary, dict) and "rounds" in summary and (
+        not max_steps or summary["rounds"] >= max_steps or summary.get("stopped_early")
+    ):
+        return "finished"
+    if has_checkpoint(d):
+        return "resume"
+    if d.exists() and any(p.name not in ("run.json", "train.log") for p in d.iterdir()):
+        return "partial"
+    return "new"
+
+
+def clear_run_dir(run_dir: Path, keep: tuple[str, ...] = ("train.log",)) -> None:
+    if not run_dir.exists():
+        return
+    for p in run_dir.iterdir():
+        if p.name in keep:
+            continue
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+# ---- executing one run --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def output_to(path: Path):
+    """Send everything this process prints (Python and C level, stdout and stderr) to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "a", buffering=1) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield log
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def _finish_wandb() -> None:
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+def run_in_process(args: list[str], log_path: Path) -> tuple[str, str]:
+    """``train.py args`` in this process; returns (status, one-line error)."""
+    from fl_lightning import cli
+
+    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
+    try:
+        with output_to(log_path) as log:
+            try:
+                cli.run(args)
+                return "done", ""
+            except (KeyboardInterrupt, SystemExit):
+                # Lightning turns Ctrl-C during fit into a graceful stop and sys.exit(1)
+                print("interrupted", file=log)
+                return "interrupted", "interrupted"
+            except Exception as exc:
+                traceback.print_exc(file=log)
+                return "failed", cli._one_line(exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    _finish_wandb()
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT after an interrupt
+
+
+def train_command() -> list[str]:
+    if TRAIN_PY.is_file():
+        return [sys.executable, str(TRAIN_PY)]
+    return [sys.executable, "-c", "import sys; from fl_lightning.cli import main; sys.exit(main())"]
+
+
+def last_error_line(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors:
+        return errors[-1][len("error:") :].strip()
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+
+
+class Workers:
+    """Runs ``train.py`` as child processes, at most ``jobs`` at a time; ``stop()`` interrupts them."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+        self.stopping = False
+        try:
+            import torch
+
+            self.gpus = torch.cuda.device_count()
+        except Exception:  # pragma: no cover - torch always imports here
+            self.gpus = 0
+        self.free_slots = list(range(jobs))
+
+    def env(self, slot: int) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.gpus and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % self.gpus)
+        if "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.jobs))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def run(self, args: list[str], log_path: Path) -> tuple[str, str]:
+        with self.lock:
+            if self.stopping:
+                return "interrupted", "interrupted"
+            slot = self.free_slots.pop(0)
+        try:
+            with open(log_path, "a") as log:
+                proc = subprocess.Popen(
+                    [*train_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=self.env(slot)
+                )
+                with self.lock:
+                    self.procs[proc.pid] = proc
+                code = proc.wait()
+                with self.lock:
+                    self.procs.pop(proc.pid, None)
+        finally:
+            with self.lock:
+                self.free_slots.append(slot)
+        if code == 0:
+            return "done", ""
+        if self.stopping or code in (130, -signal.SIGINT):
+            return "interrupted", "interrupted"
+        return "failed", last_error_line(log_path) or f"exit code {code}"
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        with self.lock:
+            self.stopping = True
+            procs = list(self.procs.values())
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+# ---- the grid -----------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A bar over runs on the terminal (stderr), and one line per run."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        from tqdm import tqdm
+
+        self.stream = stream
+        self.bar = tqdm(total=total, desc="runs", unit="run", file=stream, dynamic_ncols=True, disable=None)
+
+    def line(self, text: str) -> None:
+        self.bar.write(text, file=self.stream)
+
+    def advance(self, outcome: Outcome) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(outcome.run.wandb_name, refresh=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def start_args(run: RunSpec, state: str, overwrite: bool) -> list[str] | None:
+    """The arguments to (re)start ``run`` from ``state``, after preparing its dir; ``None``: leave it."""
+    if state == "finished" and not overwrite:
+        return None
+    if overwrite or state in ("partial", "mismatch"):
+        clear_run_dir(run.run_dir)
+        state = "new"
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "run.json").write_text(json.dumps(run.metadata(), indent=1))
+    return run.args() + (["--ckpt_path", "last"] if state == "resume" else [])
+
+
+def execute(
+    experiment: Experiment,
+    runs: list[RunSpec],
+    max_steps: dict[str, int | None],
+    jobs: int = 1,
+    overwrite: bool = False,
+    stream: TextIO | None = None,
+) -> list[Outcome]:
+    """Run (or skip) every run of the grid; returns one :class:`Outcome` per run, in grid order."""
+    stream = stream or sys.stderr
+    progress = Progress(len(runs), stream)
+    outcomes: dict[int, Outcome] = {}
+    todo: list[tuple[int, list[str], str]] = []
+    for i, run in enumerate(runs):
+        state = run_state(run, max_steps.get(str(run.run_dir)))
+        if state == "mismatch" and not overwrite:
+            outcomes[i] = Outcome(
+                run, "failed", f"{run.run_dir} holds a run with other training arguments (run.json); "
+                "delete it or pass --overwrite"
+            )  # fmt: skip
+            progress.line(f"[fail] {run.wandb_name}: {outcomes[i].error}")
+            progress.advance(outcomes[i])
+            continue
+        args = start_args(run, state, overwrite)
+        if args is None:
+            outcomes[i] = Outcome(run, "skipped")
+            progress.advance(outcomes[i])
+            continue
+        todo.append((i, args, state))
+    skipped = sum(o.status == "skipped" for o in outcomes.values())
+    if skipped:
+        progress.line(f"{skipped} finished run(s) skipped")
+
+    def report(i: int, status: str, error: str, seconds: float) -> None:
+        run = runs[i]
+        outcomes[i] = Outcome(run, status, error, seconds)
+        if status == "done":
+            progress.line(f"[done] {run.wandb_name} ({seconds:.0f} s)")
+        elif status == "failed":
+            progress.line(f"[fail] {run.wandb_name}: {error} (dir {run.run_dir}, log {run.run_dir / 'train.log'})")
+        progress.advance(outcomes[i])
+
+    def announce(i: int, state: str) -> None:
+        verb = "resume" if state == "resume" else "start"
+        progress.line(f"[{verb}] {runs[i].wandb_name} -> {runs[i].run_dir}")
+
+    interrupted = False
+    try:
+        if jobs <= 1:
+            for i, args, state in todo:
+                announce(i, state)
+                log = runs[i].run_dir / "train.log"
+                _log_header(log, runs[i], args)
+                start = time.perf_counter()
+                status, error = run_in_process(args, log)
+                if status == "interrupted":
+                    interrupted = True
+                    break
+                report(i, status, error, time.perf_counter() - start)
+        else:
+            workers = Workers(jobs)
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                pending: dict[Future, tuple[int, float]] = {}
+                queue = list(todo)
+                try:
+                    while queue or pending:
+                        while queue and len(pending) < jobs:
+                            i, args, state = queue.pop(0)
+                            announce(i, state)
+                            log = runs[i].run_dir / "train.log"
+                            _log_header(log, runs[i], args)
+                            pending[pool.submit(workers.run, args, log)] = (i, time.perf_counter())
+                        done, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
+                        for fut in done:
+                            i, start = pending.pop(fut)
+                            status, error = fut.result()
+                            if status == "interrupted":
+                                interrupted = True
+                            else:
+                                report(i, status, error, time.perf_counter() - start)
+                        if interrupted:
+                            workers.stop()
+                            break
+                except KeyboardInterrupt:
+                    interrupted = True
+                    workers.stop()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+    result = [outcomes.get(i, Outcome(run, "interrupted")) for i, run in enumerate(runs)]
+    if interrupted:
+        print("interrupted: run the same command again to finish the grid (finished runs are skipped, "
+              "unfinished ones resume from their last checkpoint)", file=stream)  # fmt: skip
+    return result
+
+
+def _log_header(log: Path, run: RunSpec, args: list[str]) -> None:
+    import shlex
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {run.experiment} / {run.wandb_name}\n")
+        f.write(shlex.join(["python", "train.py", *args]) + "\n")
+
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run_experiment` did: the exit code (0 ok, 1 a run failed, 130 interrupted), one outcome per
+    run, the finished runs as records, and the report it wrote."""
+
+    code: int
+    outcomes: list[Outcome]
+    results: list[Any]
+    table: str = ""
+    results_path: Path | None = None
+    plots: list[Path] = field(default_factory=list)
+
+
+def run_experiment(
+    experiment: Experiment,
+    extra: list[str] | tuple[str, ...] = (),
+    jobs: int = 1,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    report_dir: Path | None = None,
+    metrics: list[str] | None = None,
+    by: list[str] | None = None,
+    fmt: str = "md",
+    curve: str | None = None,
+    out: TextIO | None = None,
+) -> ExperimentResult:
+    """Check every run, run the grid, then print and write the report (to ``report_dir``, default the
+    experiment's folder ``<runs_dir>/<name>/``)."""
+    from fl_lightning.experiment.collect import load_run_dir
+    from fl_lightning.experiment.report import write_report
+    from fl_lightning.experiment.spec import ExperimentError
+    from fl_lightning.experiment.validation import validate_runs
+
+    out = out or sys.stdout
+    if jobs < 1:
+        raise ExperimentError(f"--jobs {jobs}: expected ≥ 1")
+    runs = experiment.runs(extra)
+    resolved = validate_runs(experiment, runs)
+    max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
+    axes = " × ".join(f"{a} ({len(v)})" for a, v in experiment.axes.items()) or "a single run"
+    print(f"experiment {experiment.name}: {len(runs)} runs = {axes}; run dirs under {experiment.out_dir}", file=out)
+    if dry_run:
+        for run in runs:
+            print(f"[{run_state(run, max_steps[str(run.run_dir)])}] {run.wandb_name}: {run.command()}", file=out)
+        return ExperimentResult(0, [], [])
+    experiment.out_dir.mkdir(parents=True, exist_ok=True)
+    (experiment.out_dir / "commands.sh").write_text(
+        f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in runs) + "\n"
+    )
+    out.flush()
+    outcomes = execute(experiment, runs, max_steps, jobs=jobs, overwrite=overwrite)
+    if any(o.status == "interrupted" for o in outcomes):
+        return ExperimentResult(130, outcomes, [])
+    finished = [load_run_dir(r.run_dir) for r in runs if (r.run_dir / "summary.json").is_file()]
+    failed = [o for o in outcomes if o.status == "failed"]
+    result = ExperimentResult(1 if failed else 0, outcomes, finished)
+    if finished:
+        title = f"{experiment.name}: {experiment.description}".strip().rstrip(":")
+        result.table, result.results_path, result.plots = write_report(
+            finished,
+            report_dir or experiment.out_dir,
+            by or experiment.report.get("by"),
+            metrics or experiment.report.get("metrics") or ["last10"],
+            fmt,
+            curve or experiment.report.get("curve"),
+            title,
+        )
+        print(f"\n{result.table}\n", file=out)
+        for p in result.plots:
+            print(f"plot: {p}", file=out)
+    for o in failed:
+        print(f"failed: {o.run.run_dir}: {o.error} (log: {o.run.run_dir / 'train.log'})", file=sys.stderr)
+        print(f"  rerun alone: {o.run.command()}", file=sys.stderr)
+    return result

@@ -1,0 +1,356 @@
+"""Experiment files: a YAML grid of ``train.py`` runs, expanded into one :class:`RunSpec` per point.
+
+Schema (every key but ``name`` is optional)::
+
+    name: table1-digits              # the W&B group and the folder <runs_dir>/<name>/
+    description: free text
+    configs: [configs/digits/base.yaml]          # composed first by every run
+    axes:                            # the runs are the product of the axes, in this order
+      method:                        # a named axis: label -> config file(s) and/or dotted overrides
+        fedavg: {config: configs/methods/fedavg.yaml}
+        fedrep: {config: [configs/methods/fedrep.yaml], model.lr: 0.05}
+        plain: null                  # nothing added
+      model.momentum: [0.0, 0.5]     # a dotted-key axis: one run per value (label "momentum=0.5")
+      seed: [0, 1, 2]                # sets seed_everything (label "s0")
+    set: {trainer.max_steps: 100}    # dotted overrides for every run
+    wandb: {project: fl_lightning, mode: auto, tags: [extra]}
+    job_type: method                 # the axis whose label is the W&B job_type (default: "method" if present)
+    runs_dir: runs                   # default runs/
+    report: {metrics: [last10], by: [method], curve: val/acc_mean}
+
+Arguments of one run, in order (later ones win): ``--config`` for the ``configs``, then every axis' config
+files; ``set``; every axis' overrides; the seed; the command line's ``--set``; then the run dir and the W&B
+settings. Relative config paths are taken from the working directory, else from the nearest folder above the
+experiment file that holds them (so the repository's files work from anywhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fl_lightning.errors import ConfigError
+
+TOP_KEYS = ("name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report")
+WANDB_KEYS = ("project", "mode", "tags")
+REPORT_KEYS = ("metrics", "by", "curve")
+LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
+KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class ExperimentError(ConfigError):
+    """A problem in an experiment file (printed as one line, exit code 2)."""
+
+
+def arg_value(value: Any) -> str:
+    """A YAML value as jsonargparse reads it on the command line (``--key=value``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def override(key: str, value: Any) -> str:
+    return f"--{key}={arg_value(value)}"
+
+
+@dataclass(frozen=True)
+class AxisValue:
+    """One value of one axis: its label (folder and W&B name part), its W&B tag and what it adds."""
+
+    axis: str
+    label: str
+    tag: str
+    configs: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+    value: Any = None
+
+
+@dataclass
+class RunSpec:
+    """One point of the grid: a ``train.py`` argument list and where it writes."""
+
+    experiment: str
+    points: tuple[AxisValue, ...]
+    configs: list[str]
+    overrides: list[str]
+    run_dir: Path
+    wandb_name: str
+    job_type: str | None
+    tags: list[str]
+    wandb: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {p.axis: p.label for p in self.points}
+
+    @property
+    def seed(self) -> int | None:
+        return next((p.value for p in self.points if p.axis == "seed"), None)
+
+    def args(self) -> list[str]:
+        """``train.py``'s argument list for this run."""
+        out: list[str] = []
+        for c in self.configs:
+            out += ["--config", c]
+        out += self.overrides
+        out += ["--run_dir", str(self.run_dir)]
+        out.append(override("wandb.group", self.experiment))
+        out.append(override("wandb.name", self.wandb_name))
+        if self.job_type:
+            out.append(override("wandb.job_type", self.job_type))
+        out.append(override("wandb.tags", self.tags))
+        for key in ("project", "mode"):
+            if key in self.wandb:
+                out.append(override(f"wandb.{key}", self.wandb[key]))
+        return out
+
+    def command(self, extra: Sequence[str] = ()) -> str:
+        """The run as one shell command."""
+        return shlex.join(["python", "train.py", *self.args(), *extra])
+
+    def metadata(self) -> dict[str, Any]:
+        """What the runner stores in ``run.json`` (``compare`` reads it back)."""
+        return {
+            "experiment": self.experiment,
+            "axes": self.labels,
+            "seed": self.seed,
+            "job_type": self.job_type,
+            "wandb_name": self.wandb_name,
+            "tags": self.tags,
+            "args": self.args(),
+            "command": self.command(),
+        }
+
+
+@dataclass
+class Experiment:
+    """A validated experiment file."""
+
+    name: str
+    source: str
+    configs: list[str]
+    axes: dict[str, list[AxisValue]]
+    set: list[str]
+    wandb: dict[str, Any]
+    job_type_axis: str | None
+    runs_dir: Path
+    report: dict[str, Any]
+    description: str = ""
+
+    def runs(self, extra: Sequence[str] = ()) -> list[RunSpec]:
+        """The product of the axes, in file order (the last axis varies fastest)."""
+        out = []
+        for points in itertools.product(*self.axes.values()) if self.axes else [()]:
+            labels = [p.label for p in points]
+            configs = list(self.configs) + [c for p in points for c in p.configs]
+            overrides = list(self.set) + [o for p in points for o in p.overrides] + list(extra)
+            job_type = next((p.label for p in points if p.axis == self.job_type_axis), None)
+            out.append(
+                RunSpec(
+                    experiment=self.name,
+                    points=tuple(points),
+                    configs=configs,
+                    overrides=overrides,
+                    run_dir=self.runs_dir.joinpath(self.name, *labels) if labels else self.runs_dir / self.name,
+                    wandb_name="-".join(labels) or self.name,
+                    job_type=job_type,
+                    tags=[p.tag for p in points] + list(self.wandb.get("tags", [])),
+                    wandb={k: v for k, v in self.wandb.items() if k != "tags"},
+                )
+            )
+        return out
+
+    @property
+    def out_dir(self) -> Path:
+        return self.runs_dir / self.name
+
+    def select(self, axis: str, labels: Sequence[str]) -> Experiment:
+        """A copy with only these labels of ``axis`` (in the file's order)."""
+        known = [p.label for p in self.axes.get(axis, [])]
+        unknown = [lab for lab in labels if lab not in known]
+        if axis not in self.axes or unknown:
+            raise ExperimentError(f"{self.source}: axes.{axis}: no label {unknown or labels} (known: {known})")
+        axes = dict(self.axes)
+        axes[axis] = [p for p in self.axes[axis] if p.label in labels]
+        return dataclasses.replace(self, axes=axes)
+
+    def with_seeds(self, seeds: Sequence[int]) -> Experiment:
+        """A copy whose seed axis is ``seeds``."""
+        axes = dict(self.axes)
+        axes["seed"] = [AxisValue("seed", f"s{v}", f"seed:{v}", (), (f"--seed_everything={v}",), v) for v in seeds]
+        return dataclasses.replace(self, axes=axes)
+
+
+# ---- loading and validation ----------------------------------------------------------------------------------
+
+
+def load_experiment(path: str | Path, runs_dir: str | Path | None = None) -> Experiment:
+    """Read and validate an experiment file; every problem is an :class:`ExperimentError` naming file and key."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ExperimentError(f"experiment file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ExperimentError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_experiment(data, source=str(path), base=path.resolve().parent, runs_dir=runs_dir)
+
+
+def parse_experiment(
+    data: Any, source: str = "<experiment>", base: Path | None = None, runs_dir: str | Path | None = None
+) -> Experiment:
+    """Validate an experiment given as a mapping (the parsed YAML)."""
+
+    def fail(key: str, message: str) -> ExperimentError:
+        return ExperimentError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+    if not isinstance(data, Mapping):
+        raise fail("", "expected a mapping with at least 'name'")
+    unknown = [k for k in data if k not in TOP_KEYS]
+    if unknown:
+        raise fail(str(unknown[0]), f"unknown key (known: {', '.join(TOP_KEYS)})")
+    name = data.get("name")
+    if not isinstance(name, str) or not LABEL.match(name):
+        raise fail("name", f"expected a name of letters, digits and _.+=- (got {name!r})")
+
+    def config_path(key: str, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise fail(key, f"expected a config file path, got {value!r}")
+        return resolve_path(value, base, lambda: fail(key, f"config file {value} does not exist"))
+
+    def config_list(key: str, value: Any) -> list[str]:
+        values = value if isinstance(value, list) else [value]
+        return [config_path(f"{key}[{i}]" if isinstance(value, list) else key, v) for i, v in enumerate(values)]
+
+    def overrides_of(key: str, mapping: Mapping) -> list[str]:
+        out = []
+        for k, v in mapping.items():
+            if not isinstance(k, str) or not KEY.match(k):
+                raise fail(f"{key}.{k}", "expected a dotted config key such as model.lr")
+            out.append(override(k, v))
+        return out
+
+    configs = config_list("configs", data["configs"]) if data.get("configs") is not None else []
+    set_ = data.get("set") or {}
+    if not isinstance(set_, Mapping):
+        raise fail("set", "expected a mapping of dotted keys to values")
+    set_args = overrides_of("set", set_)
+
+    wandb = dict(data.get("wandb") or {})
+    bad = [k for k in wandb if k not in WANDB_KEYS]
+    if bad:
+        raise fail(f"wandb.{bad[0]}", f"unknown key (known: {', '.join(WANDB_KEYS)}; group, name, job_type and "
+                   "tags per run are set by the runner)")  # fmt: skip
+    if "tags" in wandb and (not isinstance(wandb["tags"], list) or not all(isinstance(t, str) for t in wandb["tags"])):
+        raise fail("wandb.tags", "expected a list of strings")
+    if "mode" in wandb and wandb["mode"] not in ("auto", "online", "offline", "disabled"):
+        raise fail("wandb.mode", f"expected auto, online, offline or disabled, got {wandb['mode']!r}")
+
+    axes_data = data.get("axes") or {}
+    if not isinstance(axes_data, Mapping):
+        raise fail("axes", "expected a mapping axis -> values")
+    axes: dict[str, list[AxisValue]] = {}
+    for axis, values in axes_data.items():
+        key = f"axes.{axis}"
+        if not isinstance(axis, str) or not KEY.match(axis):
+            raise fail(key, "an axis name is a word (method, dataset, seed) or a dotted config key")
+        if axis == "seed":
+            if not isinstance(values, list) or not values:
+                raise fail(key, "expected a non-empty list of integer seeds, e.g. [0, 1, 2]")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise fail(key, f"{v!r} is not an integer seed")
+            if len(set(values)) != len(values):
+                raise fail(key, "repeated seed")
+            axes[axis] = [AxisValue("seed", f"s{v}", f"seed:{v}", (), (f"--seed_everything={v}",), v) for v in values]
+        elif "." in axis:
+            if not isinstance(values, list) or not values:
+                raise fail(key, "a dotted-key axis takes a non-empty list of values")
+            leaf = axis.rsplit(".", 1)[1]
+            points = []
+            for v in values:
+                if isinstance(v, (dict, list)):
+                    raise fail(key, f"{v!r}: a dotted-key axis takes scalar values")
+                label = f"{leaf}={arg_value(v)}"
+                if not LABEL.match(label):
+                    raise fail(key, f"{v!r} cannot be used in a folder name")
+                points.append(AxisValue(axis, label, f"{axis}:{arg_value(v)}", (), (override(axis, v),), v))
+            axes[axis] = points
+        else:
+            if not isinstance(values, Mapping) or not values:
+                raise fail(key, "expected a mapping label -> {config: FILE(S), dotted.key: value, ...}")
+            points = []
+            for label, spec in values.items():
+                vkey = f"{key}.{label}"
+                if not isinstance(label, str) or not LABEL.match(label):
+                    raise fail(vkey, "a label is letters, digits and _.+=- (it names folders and W&B runs)")
+                if spec is None:
+                    spec = {}
+                elif isinstance(spec, (str, list)):
+                    spec = {"config": spec}
+                if not isinstance(spec, Mapping):
+                    raise fail(vkey, f"expected a config path or a mapping, got {spec!r}")
+                files = config_list(f"{vkey}.config", spec["config"]) if spec.get("config") is not None else []
+                rest = {k: v for k, v in spec.items() if k != "config"}
+                points.append(AxisValue(axis, label, f"{axis}:{label}", tuple(files), tuple(overrides_of(vkey, rest))))
+            axes[axis] = points
+    job_type_axis = data.get("job_type", "method" if "method" in axes else None)
+    if job_type_axis is not None and job_type_axis not in axes:
+        raise fail("job_type", f"{job_type_axis!r} is not an axis (axes: {', '.join(axes) or 'none'})")
+
+    report = dict(data.get("report") or {})
+    bad = [k for k in report if k not in REPORT_KEYS]
+    if bad:
+        raise fail(f"report.{bad[0]}", f"unknown key (known: {', '.join(REPORT_KEYS)})")
+    for k in ("metrics", "by"):
+        if k in report:
+            if isinstance(report[k], str):
+                report[k] = [report[k]]
+            if not isinstance(report[k], list) or not all(isinstance(v, str) for v in report[k]):
+                raise fail(f"report.{k}", "expected a list of names")
+    if "by" in report:
+        missing = [b for b in report["by"] if b not in axes and b != "experiment"]
+        if missing:
+            raise fail("report.by", f"{missing[0]!r} is not an axis (axes: {', '.join(axes)})")
+    description = data.get("description") or ""
+    root = Path(runs_dir) if runs_dir is not None else Path(str(data.get("runs_dir") or "runs"))
+    return Experiment(
+        name=name,
+        source=source,
+        configs=configs,
+        axes=axes,
+        set=set_args,
+        wandb=wandb,
+        job_type_axis=job_type_axis,
+        runs_dir=root,
+        report=report,
+        description=str(description),
+    )
+
+
+def resolve_path(value: str, base: Path | None, error: Any) -> str:
+    """``value`` as given when it exists from the working directory, else found relative to ``base`` or one of
+    its parents (the repository root for the files in ``configs/experiments/``); absolute paths as they are."""
+    path = Path(value)
+    if path.is_file():
+        return value
+    if not path.is_absolute() and base is not None:
+        for folder in (base, *base.parents):
+            if (folder / path).is_file():
+                return str(folder / path)
+    raise error()
