@@ -1,40 +1,277 @@
-"""``make bench``: seconds per FedRep round for the sequential reference and the vectorized fast path.
+"""``make bench``: seconds per round of client work for the sequential reference and the vectorized executor.
 
-Everything is measured in the same run, on one CPU thread (``torch.set_num_threads(1)``), and reported as
-medians over ``--rounds`` rounds, with the ratio sequential / vectorized. Workloads (issue 8):
+Everything is measured in the same run on the device asked for (``--device cpu|cuda|auto``; on the CPU with one
+thread unless ``--threads``), and reported as the median over ``--rounds`` rounds, with the ratio to the sequential
+fp32 reference of the same workload. Autocast follows the device: bf16 on CUDA (fp32 too), none on the CPU unless
+``--autocast`` asks for bf16. The device is synchronised before each clock read. Per variant: s/round, training
+samples per second (samples visited by local SGD, all epochs), peak memory (CUDA: the allocator's peak for that
+variant; CPU: the process's peak RSS so far), host reads per round (``fl_lightning.host_syncs``: each one would
+stall a GPU) and, on CUDA, the GPU utilisation sampled while the rounds ran. The two executors take turns round by
+round, so that load from other processes on a shared machine slows both alike.
 
-* ``pfllib_cnn``: PFLlib's FedAvgCNN on CIFAR-10-shaped random tensors, 100 clients × 500 train / 100 test
-  images, 10 clients per round, FedRep with 10 head epochs + 1 body epoch, batch 10, SGD lr 0.01, momentum 0.5;
-  fp32 and bf16 autocast;
+Workloads (``--workloads``; ``benchmarks/run_axis.py`` and any module in ``EXTRA_MODULES`` may register more with
+``@workload(name)``):
+
+* ``pfllib_cnn``: PFLlib's FedAvgCNN on CIFAR-10-shaped random tensors, 100 clients × 500 train / 100 test images,
+  10 clients per round, FedRep with 10 head epochs + 1 body epoch, batch 10, SGD lr 0.01, momentum 0.5;
 * ``fedrep_cnn_aug``: the FedRep authors' CNNCifar on the same data with batched crop+flip augmentation;
-* ``digits_fedavg``: FedAvg on the digits quickstart split;
+* ``fedrep_phases``: ``pfllib_cnn``'s round split into FedRep's head and body phases, per executor, and the
+  speedup ceiling the body phase sets;
+* ``conv_clients``: a body epoch of 10 clients' per-client conv weights, client by client vs ``vmap`` (one grouped
+  convolution): the measurement behind ``fl_lightning.executors.CONV_CLIENTS`` on this device;
+* ``digits_fedavg``: FedAvg on the digits quickstart split; ``digits_precision``: bf16 vs fp32 accuracy;
 * ``scale``: FedRep with personal heads on 100 vs 10,000 clients, 100 sampled per round.
 
-It prints a table and writes ``results.json`` (metrics ``train_s_per_round``, ``eval_s``, ``speedup``,
-``peak_rss_mb``, ``client_state_bytes_per_client``) under ``results/bench/``.
+It prints a table and writes ``results.json`` (metrics ``train_s_per_round``, ``samples_per_s``, ``speedup``,
+``peak_mem_mb``, ``host_reads_per_round``, ``gpu_util_pct``, ``eval_s``; the device name in every ``setting``) and
+``round_times.png`` under ``results/bench/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.util
+import platform
 import resource
 import statistics
+import subprocess
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from datamodules.augment import CropFlip
+from fl_lightning import executors
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.host_syncs import count_host_reads
 from fl_lightning.models import CifarCNN, DigitsMLP, FedAvgCNN
 from fl_lightning.models.split import SplitModel, mlp_layers
 from fl_lightning.module import FederatedModule
 from fl_lightning.results import bar_chart, format_table, record, write_results
 from fl_lightning.rounds import ClientSampler
 
+#: modules that register more workloads when imported (``benchmarks/run_axis.py``: the run axis, issue 16)
+EXTRA_MODULES = ("benchmarks.run_axis",)
+DEFAULT_WORKLOADS = [
+    "pfllib_cnn", "fedrep_cnn_aug", "fedrep_phases", "conv_clients", "digits_fedavg", "scale", "digits_precision",
+]  # fmt: skip
+WORKLOADS: dict[str, Callable[[Bench], None]] = {}
 
+
+def workload(name: str) -> Callable[[Callable[[Bench], None]], Callable[[Bench], None]]:
+    """Register ``fn(bench)`` as the workload ``name`` (it adds rows and records through ``bench``)."""
+
+    def register(fn: Callable[[Bench], None]) -> Callable[[Bench], None]:
+        WORKLOADS[name] = fn
+        return fn
+
+    return register
+
+
+# ---- the device -----------------------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class UtilisationSampler:
+    """The GPU's utilisation (%) sampled every 50 ms in a thread while a block runs (``torch.cuda.utilization``,
+    which needs pynvml, else ``nvidia-smi``); ``nan`` on other devices or when neither answers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.samples, self._stop = device, [], threading.Event()
+
+    def read(self) -> float | None:
+        try:
+            return float(torch.cuda.utilization(self.device))
+        except Exception:  # no pynvml: ask nvidia-smi
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", str(index)],
+                    capture_output=True, text=True, timeout=2,
+                )  # fmt: skip
+                return float(out.stdout.strip().splitlines()[0])
+            except Exception:
+                return None
+
+    def __enter__(self) -> UtilisationSampler:
+        if self.device.type == "cuda":
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            value = self.read()
+            if value is None:
+                return
+            self.samples.append(value)
+            self._stop.wait(0.05)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self.device.type == "cuda":
+            self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else float("nan")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """What every workload shares: the options, the device, and the rows and records it adds."""
+
+    args: argparse.Namespace
+    device: torch.device
+    rows: list[tuple] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return device_name(self.device)
+
+    @property
+    def precisions(self) -> list[str]:
+        """fp32 always; bf16 autocast on CUDA, and on the CPU with ``--autocast``."""
+        return ["fp32", "bf16"] if self.device.type == "cuda" or self.args.autocast else ["fp32"]
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager:
+        if precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def setting(self, workload: str, **extra: Any) -> str:
+        parts = [workload, f"device={self.name}"]
+        if self.device.type == "cpu":
+            parts.append(f"threads={self.args.threads}")
+        parts += [f"{k}={v}" for k, v in extra.items()]
+        return ",".join(parts)
+
+    def add(self, workload: str, variant: str, metrics: dict[str, float], **setting: Any) -> None:
+        """One table row and its records."""
+        where = self.setting(workload, **setting)
+        for metric, value in metrics.items():
+            self.records.append(record("bench", variant, metric, value, setting=where))
+        self.rows.append((workload, variant, *(metrics.get(k, float("nan")) for k in TABLE_METRICS)))
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        print(f"  {workload:16s} {variant:22s} {shown}", flush=True)
+
+    def time_rounds(self, module: FederatedModule, per_round: int, precision: str) -> dict[str, float]:
+        """Client work of ``--rounds`` rounds of one module (see ``time_interleaved``)."""
+        return self.time_interleaved([module], per_round, precision)[0]
+
+    def time_interleaved(
+        self, modules: list[FederatedModule], per_round: int, precision: str
+    ) -> list[dict[str, float]]:
+        """Client work (``run_clients``) of ``--rounds`` rounds for each module, the modules taking turns round by
+        round so that a machine whose load drifts slows them alike (the first round is a warm-up on CUDA): the
+        median s/round, host reads per round, GPU utilisation and the peak memory, per module."""
+        sampler = ClientSampler(modules[0].fed.num_clients, per_round, seed=0)
+        rounds = self.args.rounds + (1 if self.device.type == "cuda" else 0)
+        times = [[] for _ in modules]
+        reads = [[] for _ in modules]
+        utils = [[] for _ in modules]
+        peaks = [0.0 for _ in modules]
+        for r in range(rounds):
+            cohort = sampler.sample(r).tolist()
+            for i, module in enumerate(modules):
+                glob = module.global_params()
+                states = [module.bank.get(c) for c in cohort]
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                synchronize(self.device)
+                with UtilisationSampler(self.device) as util:
+                    start = time.perf_counter()
+                    with self.autocast(precision), count_host_reads() as counted:
+                        module.run_clients(cohort, r, glob, states, [1.0] * len(cohort))
+                    synchronize(self.device)
+                    times[i].append(time.perf_counter() - start)
+                reads[i].append(counted.count)
+                utils[i] += util.samples
+                peaks[i] = max(peaks[i], peak_memory_mb(self.device))
+        skip = 1 if self.device.type == "cuda" else 0
+        return [
+            {
+                "train_s_per_round": statistics.median(times[i][skip:]),
+                "host_reads_per_round": statistics.median(reads[i][skip:]),
+                "gpu_util_pct": statistics.mean(utils[i]) if utils[i] else float("nan"),
+                "peak_mem_mb": peaks[i],
+            }
+            for i in range(len(modules))
+        ]
+
+    def time_eval(self, module: FederatedModule, precision: str) -> float:
+        synchronize(self.device)
+        start = time.perf_counter()
+        with self.autocast(precision):
+            module.evaluate_clients(0)
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    def compare(
+        self,
+        name: str,
+        make_net: Callable[[], SplitModel],
+        fed: FederatedData,
+        algorithm: Callable[[], Any],
+        per_round: int,
+        samples_per_round: float,
+        precisions: list[str] | None = None,
+        evaluate: bool = True,
+    ) -> None:
+        """The sequential reference and the vectorized executor on one workload, in each precision (the two
+        executors take turns round by round)."""
+        reference = None
+        for precision in precisions or self.precisions:
+            modules = []
+            for executor in ("sequential", "vectorized"):
+                torch.manual_seed(0)
+                modules.append(module_for(algorithm(), make_net(), fed, executor, self.device))
+            for executor, module, metrics in zip(
+                ("sequential", "vectorized"), modules, self.time_interleaved(modules, per_round, precision)
+            ):
+                if evaluate:
+                    metrics["eval_s"] = self.time_eval(module, precision)
+                if reference is None:
+                    reference = metrics["train_s_per_round"]
+                metrics["samples_per_s"] = samples_per_round / metrics["train_s_per_round"]
+                metrics["speedup"] = reference / metrics["train_s_per_round"]
+                suffix = "" if precision == "fp32" else f"-{precision}"
+                self.add(name, executor + suffix, metrics, clients=fed.num_clients, per_round=per_round)
+
+
+TABLE_METRICS = (
+    "train_s_per_round", "samples_per_s", "speedup", "eval_s", "peak_mem_mb", "host_reads_per_round", "gpu_util_pct",
+)  # fmt: skip
+TABLE_HEADERS = ["workload", "variant", "s/round", "samples/s", "speedup", "eval_s", "peak_MB", "reads/round", "util%"]
+
+
+# ---- data and modules ---------------------------------------------------------------------------------------------
 def image_data(num_clients: int, train: int, test: int, shape=(3, 32, 32), augment=None, seed=0) -> FederatedData:
     """Random tensors of the real shapes; each client has 2 of 10 classes."""
     g = torch.Generator().manual_seed(seed)
@@ -58,147 +295,211 @@ class TinyMLP(SplitModel):
         super().__init__(nn.Sequential(OrderedDict(mlp_layers([dim, 64]))), nn.Linear(64, 10))
 
 
-def module_for(algorithm, net, fed: FederatedData, executor: str) -> FederatedModule:
+def module_for(
+    algorithm, net, fed: FederatedData, executor: str, device: torch.device | str = "cpu"
+) -> FederatedModule:
     module = FederatedModule(algorithm, net, lr=0.01, momentum=0.5, batch_size=10, executor=executor)
     module.attach_data(fed)
+    module.to(device)
+    module.fed = fed.to(device)
     return module
 
 
-def time_rounds(module: FederatedModule, clients_per_round: int, rounds: int, bf16: bool) -> list[float]:
-    sampler = ClientSampler(module.fed.num_clients, clients_per_round, seed=0)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    times = []
-    for r in range(rounds):
-        cohort = sampler.sample(r)
-        glob = module.global_params()
-        states = [module.bank.get(int(c)) for c in cohort]
-        start = time.perf_counter()
-        with autocast:
-            module.run_clients(cohort.tolist(), r, glob, states, [1.0] * len(cohort))
-        times.append(time.perf_counter() - start)
-    return times
+def sizes(args: argparse.Namespace) -> tuple[int, int, int, int]:
+    """(train, test images per client, clients, head epochs): the issue's shape, or tiny with ``--quick``."""
+    return (40, 10, 20, 2) if args.quick else (500, 100, 100, 10)
 
 
-def time_eval(module: FederatedModule, bf16: bool) -> float:
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    start = time.perf_counter()
-    with autocast:
-        module.evaluate_clients(0)
-    return time.perf_counter() - start
+# ---- workloads ----------------------------------------------------------------------------------------------------
+@workload("pfllib_cnn")
+def pfllib_cnn(bench: Bench) -> None:
+    n_train, n_test, n_clients, head = sizes(bench.args)
+    data = image_data(n_clients, n_train, n_test)
+    bench.compare("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head, 1), 10, 10 * n_train * (head + 1))
 
 
-def precision_rows(args: argparse.Namespace, records: list) -> None:
+@workload("fedrep_cnn_aug")
+def fedrep_cnn_aug(bench: Bench) -> None:
+    n_train, n_test, n_clients, head = sizes(bench.args)
+    data = image_data(n_clients, n_train, n_test, augment=CropFlip(4))
+    bench.compare("fedrep_cnn_aug", CifarCNN, data, lambda: FedRep(head, 1), 10, 10 * n_train * (head + 1))
+
+
+@workload("fedrep_phases")
+def fedrep_phases(bench: Bench) -> None:
+    """``pfllib_cnn``'s round split into FedRep's phases, per executor (fp32): the head phase (10 epochs, frozen shared
+    body) and the body phase (1 epoch, each client its own body). The vectorized body phase has no work to share
+    between clients, so on a device that already runs one client's convolutions at full width (one CPU thread) the
+    round's speedup is at most sequential round / vectorized body phase."""
+    n_train, n_test, n_clients, head = sizes(bench.args)
+    data = image_data(n_clients, n_train, n_test)
+    cohort = ClientSampler(n_clients, 10, seed=0).sample(0).tolist()
+    modules, spent = {}, {}
+    for executor in ("sequential", "vectorized"):  # built first, then the executors take turns round by round
+        torch.manual_seed(0)
+        modules[executor] = module_for(FedRep(head, 1), FedAvgCNN(), data, executor, bench.device)
+        spent[executor] = {"head phase": [], "body phase": []}
+    for r in range(bench.args.rounds):
+        for executor, module in modules.items():
+            glob = module.global_params()
+            if executor == "sequential":
+                contexts = [module.client_context(c, r) for c in cohort]
+                params = [{**glob, **module.bank.get(c)} for c in cohort]
+            else:
+                contexts = [module.vector_context(cohort, r, [1.0] * len(cohort))]
+                params = [{**{n: v.expand(len(cohort), *v.shape) for n, v in glob.items()},
+                           **module.bank.gather(torch.tensor(cohort, device=bench.device))}]  # fmt: skip
+            for phase, names, epochs in (("head phase", ("head.",), head), ("body phase", (), 1)):
+                synchronize(bench.device)
+                start = time.perf_counter()
+                for k, ctx in enumerate(contexts):
+                    trained = ctx.params_with(names) if names else ctx.params_without(("head.",))
+                    params[k] = ctx.sgd(params[k], trained, epochs)
+                synchronize(bench.device)
+                spent[executor][phase].append(time.perf_counter() - start)
+    for executor, phases in spent.items():
+        for phase, times in phases.items():
+            bench.add("fedrep_phases", f"{executor} {phase}", {"train_s_per_round": statistics.median(times)})
+    seq = sum(statistics.median(t) for t in spent["sequential"].values())
+    ceiling = seq / statistics.median(spent["vectorized"]["body phase"])
+    print(f"  fedrep_phases: the vectorized body phase alone bounds the round's speedup at {ceiling:.2f}×")
+    where = bench.setting("fedrep_phases")
+    bench.records.append(record("bench", "vectorized", "speedup_ceiling", ceiling, setting=where))
+
+
+@workload("digits_fedavg")
+def digits_fedavg(bench: Bench) -> None:
+    from datamodules import DigitsDataModule
+
+    digits = DigitsDataModule(num_clients=20, participation=0.2, seed=0)
+    digits.setup()
+    samples = float(sum(digits.federated.train.host_sizes(range(20)))) / 5  # 4 of 20 clients, 1 epoch
+    bench.compare("digits_fedavg", DigitsMLP, digits.federated, lambda: FedAvg(1), 4, samples, ["fp32"])
+
+
+@workload("conv_clients")
+def conv_clients(bench: Bench) -> None:
+    """One body epoch (FedRep's body phase) of 10 clients with their own conv weights: client by client vs vmap."""
+    n_train = sizes(bench.args)[0]
+    data = image_data(10, n_train, 1)
+    net = FedAvgCNN().to(bench.device)
+    glob = {n: p.detach() for n, p in net.named_parameters()}
+    heads = {n: v.expand(10, *v.shape).clone() for n, v in glob.items() if n.startswith("head.")}
+    fed = data.to(bench.device)
+    times = {}
+    for strategy in ("loop", "vmap"):
+        module = module_for(FedRep(1, 1), net, data, "vectorized", bench.device)
+        module.fed = fed
+        spent = []
+        for r in range(bench.args.rounds + 1):
+            ctx = module.vector_context(list(range(10)), r, [1.0] * 10)
+            ctx.loop_over_clients = strategy == "loop"
+            params = {**{n: v.expand(10, *v.shape) for n, v in glob.items()}, **heads}
+            synchronize(bench.device)
+            start = time.perf_counter()
+            ctx.sgd(params, ctx.params_without(("head.",)), 1)
+            synchronize(bench.device)
+            spent.append(time.perf_counter() - start)
+        times[strategy] = statistics.median(spent[1:])
+        metrics = {"train_s_per_round": times[strategy], "samples_per_s": 10 * n_train / times[strategy]}
+        bench.add("conv_clients", strategy, metrics)
+    best = min(times, key=times.get)
+    configured = executors.conv_clients(bench.device)
+    print(f"  conv_clients: {best} is faster on {bench.name}; CONV_CLIENTS uses {configured} for {bench.device.type}")
+    where = bench.setting("conv_clients", configured=configured)
+    bench.records.append(record("bench", best, "loop_over_vmap_time", times["loop"] / times["vmap"], setting=where))
+
+
+@workload("digits_precision")
+def digits_precision(bench: Bench) -> None:
     """bf16's accuracy and speed effect on the digits quickstart (FedRep, 100 rounds, vectorized executor)."""
     from fl_lightning.cli import train_config
 
-    rounds = "10" if args.quick else "100"
+    rounds = "10" if bench.args.quick else "100"
+    accelerator = "gpu" if bench.device.type == "cuda" else "cpu"
     for precision in ("32-true", "bf16-mixed"):
         summary = train_config(
             ["configs/quickstart.yaml"],
-            [
-                "--trainer.max_steps",
-                rounds,
-                "--trainer.precision",
-                precision,
-                "--model.executor",
-                "vectorized",
-                "--trainer.enable_checkpointing",
-                "false",
-            ],
-            run_dir=args.out / f"quickstart_{precision}",
-        )
-        setting = f"digits_quickstart,rounds={rounds}"
-        records.append(record("bench", f"vectorized-{precision}", "acc_last10", summary["last10"], setting=setting))
-        records.append(record("bench", f"vectorized-{precision}", "wall_s", summary["wall_s"], setting=setting))
-        print(f"  digits quickstart {precision:10s} acc_last10 {summary['last10']:.4f}  wall {summary['wall_s']:.1f} s")
+            ["--trainer.max_steps", rounds, "--trainer.precision", precision, "--trainer.accelerator", accelerator,
+             "--model.executor", "vectorized", "--trainer.enable_checkpointing", "false"],
+            run_dir=bench.args.out / f"quickstart_{precision}",
+        )  # fmt: skip
+        metrics = {"acc_last10": summary["last10"], "wall_s": summary["wall_s"]}
+        bench.add("digits_precision", f"vectorized-{precision}", metrics, rounds=rounds)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (median)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("results/bench"))
-    parser.add_argument(
-        "--workloads",
-        nargs="+",
-        default=["pfllib_cnn", "fedrep_cnn_aug", "digits_fedavg", "scale", "digits_precision"],
-        help="which workloads to run",
-    )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    n_train, n_test, n_clients = (40, 10, 20) if args.quick else (500, 100, 100)
-    head_epochs = 2 if args.quick else 10
-    records, rows = [], []
-
-    def measure(workload: str, make_net, fed: FederatedData, algorithm, per_round: int, variants) -> None:
-        seq_time = None
-        for executor, bf16 in variants:
-            torch.manual_seed(0)
-            module = module_for(algorithm(), make_net(), fed, executor)
-            train = statistics.median(time_rounds(module, per_round, args.rounds, bf16))
-            evaluation = time_eval(module, bf16)
-            name = f"{executor}{'-bf16' if bf16 else ''}"
-            if executor == "sequential" and not bf16:
-                seq_time = train
-            speedup = seq_time / train if seq_time else float("nan")
-            rows.append((workload, name, train, evaluation, speedup, peak_rss_mb()))
-            setting = f"clients={fed.num_clients},per_round={per_round},threads={args.threads}"
-            records.append(record("bench", name, "train_s_per_round", train, setting=f"{workload},{setting}"))
-            records.append(record("bench", name, "eval_s", evaluation, setting=f"{workload},{setting}"))
-            records.append(record("bench", name, "speedup", speedup, setting=f"{workload},{setting}"))
-            records.append(record("bench", name, "peak_rss_mb", peak_rss_mb(), setting=f"{workload},{setting}"))
-            print(f"  {workload:15s} {name:18s} train {train:8.3f} s/round  eval {evaluation:7.3f} s  ×{speedup:.2f}")
-
-    all_variants = [("sequential", False), ("vectorized", False), ("sequential", True), ("vectorized", True)]
-    if "pfllib_cnn" in args.workloads:
-        data = image_data(n_clients, n_train, n_test)
-        measure("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head_epochs, 1), 10, all_variants)
-    if "fedrep_cnn_aug" in args.workloads:
-        aug = image_data(n_clients, n_train, n_test, augment=CropFlip(4))
-        measure("fedrep_cnn_aug", CifarCNN, aug, lambda: FedRep(head_epochs, 1), 10, all_variants[:2])
-    if "digits_fedavg" in args.workloads:
-        from datamodules import DigitsDataModule
-
-        digits = DigitsDataModule(num_clients=20, participation=0.2, seed=0)
-        digits.setup()
-        measure("digits_fedavg", DigitsMLP, digits.federated, lambda: FedAvg(1), 4, all_variants[:2])
-    if "digits_precision" in args.workloads:
-        precision_rows(args, records)
-
-    scale_rows = {}
-    for total in (100, 2000 if args.quick else 10_000) if "scale" in args.workloads else ():
+@workload("scale")
+def scale(bench: Bench) -> None:
+    head = sizes(bench.args)[3]
+    times = {}
+    for total in (100, 2000 if bench.args.quick else 10_000):
         fed = image_data(total, 20, 5, shape=(32,), seed=1)
         for executor in ("sequential", "vectorized"):
             torch.manual_seed(0)
-            module = module_for(FedRep(head_epochs, 1), TinyMLP(), fed, executor)
-            train = statistics.median(time_rounds(module, 100, args.rounds, False))
-            scale_rows[(total, executor)] = train
-            per_client = module.bank.bytes_per_client()
-            setting = f"scale,clients={total},per_round=100"
-            records.append(record("bench", executor, "train_s_per_round", train, setting=setting))
-            records.append(record("bench", executor, "client_state_bytes_per_client", per_client, setting=setting))
-            rows.append((f"scale_{total}", executor, train, float("nan"), float("nan"), peak_rss_mb()))
-            print(f"  scale {total:6d} clients {executor:11s} train {train:8.3f} s/round  state {per_client} B/client")
+            module = module_for(FedRep(head, 1), TinyMLP(), fed, executor, bench.device)
+            metrics = bench.time_rounds(module, 100, "fp32")
+            metrics["client_state_bytes_per_client"] = module.bank.bytes_per_client()
+            times[(total, executor)] = metrics["train_s_per_round"]
+            bench.add(f"scale_{total}", executor, metrics, clients=total, per_round=100)
+    big = max(t for t, _ in times)
+    for executor in ("sequential", "vectorized"):
+        ratio = times[(big, executor)] / times[(100, executor)]
+        print(f"  scale ({executor}): {big} clients / 100 clients round time = {ratio:.2f}×")
+        where = bench.setting(f"{big}_vs_100_clients")
+        bench.records.append(record("bench", executor, "scale_ratio", ratio, setting=where))
+
+
+# ---- main ---------------------------------------------------------------------------------------------------------
+def load_extra_workloads() -> None:
+    for name in EXTRA_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    load_extra_workloads()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (median)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    parser.add_argument("--autocast", action="store_true", help="also bf16 autocast on the CPU")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 on CUDA (train.py's)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument(
+        "--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=sorted(WORKLOADS), metavar="NAME",
+        help=f"which workloads (default: {' '.join(DEFAULT_WORKLOADS)}; all: {' '.join(sorted(WORKLOADS))})",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    from fl_lightning.cli import set_tf32
+
+    set_tf32(args.tf32)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    bench = Bench(args, resolve_device(args.device))
+    threads = f", {args.threads} thread(s)" if bench.device.type == "cpu" else ""
+    print(f"device: {bench.name} ({bench.device}){threads}")
+    for name in args.workloads:
+        WORKLOADS[name](bench)
 
     print()
-    print(f"FedRep round times, {args.threads} CPU thread(s), median of {args.rounds} rounds")
-    print(format_table(["workload", "executor", "train_s/round", "eval_s", "speedup", "peak_rss_MB"], rows))
-    big = max((t for t, _ in scale_rows), default=None)
-    for executor in ("sequential", "vectorized") if big else ():
-        ratio = scale_rows[(big, executor)] / scale_rows[(100, executor)]
-        print(f"scale ({executor}): {big} clients / 100 clients round time = {ratio:.2f}×")
-        records.append(record("bench", executor, "scale_ratio", ratio, setting=f"{big}_vs_100_clients"))
-    labels = [f"{w}\n{e}" for w, e, *_ in rows if not w.startswith("scale")]
-    values = [t for w, _, t, *_ in rows if not w.startswith("scale")]
+    print(f"client work per round on {bench.name}, median of {args.rounds} rounds; speedup vs sequential fp32")
+    print(format_table(TABLE_HEADERS, bench.rows))
     args.out.mkdir(parents=True, exist_ok=True)
-    bar_chart(args.out / "round_times.png", labels, values, "training seconds per round", "FedRep round time")
-    path = write_results(records, args.out)
+    timed = [(w, v, t) for w, v, t, *_ in bench.rows if t == t and not w.startswith(("scale", "digits_precision"))]
+    if timed:
+        bar_chart(args.out / "round_times.png", [f"{w}\n{v}" for w, v, _ in timed], [t for *_, t in timed],
+                  "seconds per round", f"client work per round ({bench.name})")  # fmt: skip
+    path = write_results(bench.records, args.out)
     print(f"results: {path}")
     return 0
 

@@ -1,7 +1,9 @@
 """Batched on-device image augmentation: ``FederatedData.augment(x, generator) -> x``.
 
 The random draws come from the client's CPU ``torch.Generator`` (seeded by (seed, round, client)), so a
-client's augmentations do not depend on the device or on which process runs it.
+client's augmentations do not depend on the device or on which process runs it. An augmentation with
+``draw(n, generator)`` and ``apply(x, draws)`` lets the executors draw a whole epoch at once and move it to the
+device in one copy; a plain ``(x, generator) -> x`` callable also works (drawn batch by batch).
 """
 
 from __future__ import annotations
@@ -43,23 +45,48 @@ class CropFlip:
     ) -> None:
         self.padding, self.flip = padding, flip
         self.fill = None if mean is None else [-m / s for m, s in zip(mean, std)]
+        self._borders: dict[tuple, Tensor] = {}  # the padding's fill image per (device, dtype, shape): made once
+
+    def border(self, x: Tensor) -> Tensor:
+        """``fill`` on the padded border, 0 inside, shaped ``[1, C, H + 2p, W + 2p]`` (built once per device, so
+        applying the augmentation never copies from the host)."""
+        _, c, h, w = x.shape
+        key = (x.device, x.dtype, c, h, w)
+        if key not in self._borders:
+            p = self.padding
+            fill = torch.tensor(self.fill, dtype=x.dtype).view(1, c, 1, 1)
+            inside = F.pad(torch.ones(1, 1, h, w, dtype=x.dtype), (p, p, p, p))
+            self._borders[key] = ((1 - inside) * fill).to(x.device)
+        return self._borders[key]
 
     def __call__(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        return self.apply(x, self.draw(x.shape[0], generator).to(x.device))
+
+    def draw(self, n: int, generator: torch.Generator) -> Tensor:
+        """The random draws for ``n`` images, ``[n, 3]`` int64 on the CPU: row and column offset of the crop in
+        the padded image, and 1 to flip. The executors draw a client's whole epoch at once and copy it to the
+        device in one transfer; ``apply`` is per image, so any slice of the draws augments the matching images."""
+        p = self.padding
+        out = torch.zeros(n, 3, dtype=torch.long)
+        if p > 0:
+            out[:, :2] = torch.randint(0, 2 * p + 1, (n, 2), generator=generator)
+        if self.flip:
+            out[:, 2] = (torch.rand(n, generator=generator) < 0.5).long()
+        return out
+
+    def apply(self, x: Tensor, draws: Tensor) -> Tensor:
+        """Crop and flip ``x`` ``[N, C, H, W]`` with ``draws`` ``[N, 3]`` (from ``draw``, on x's device)."""
         n, c, h, w = x.shape
         p = self.padding
         if p > 0:
-            offsets = torch.randint(0, 2 * p + 1, (n, 2), generator=generator).to(x.device)
+            offsets = draws[:, :2]
             padded = F.pad(x, (p, p, p, p))
             if self.fill is not None:
-                fill = torch.tensor(self.fill, dtype=x.dtype, device=x.device).view(1, c, 1, 1)
-                border = torch.ones(1, 1, h, w, dtype=x.dtype, device=x.device)
-                border = 1 - F.pad(border, (p, p, p, p))
-                padded = padded + border * fill
+                padded = padded + self.border(x)
             rows = (offsets[:, 0:1] + torch.arange(h, device=x.device)).view(n, 1, h, 1).expand(n, c, h, w + 2 * p)
             padded = padded.gather(2, rows)
             cols = (offsets[:, 1:2] + torch.arange(w, device=x.device)).view(n, 1, 1, w).expand(n, c, h, w)
             x = padded.gather(3, cols)
         if self.flip:
-            flips = (torch.rand(n, generator=generator) < 0.5).to(x.device).view(n, 1, 1, 1)
-            x = torch.where(flips, x.flip(-1), x)
+            x = torch.where(draws[:, 2].bool().view(n, 1, 1, 1), x.flip(-1), x)
         return x

@@ -1,18 +1,21 @@
 """Aggregation: the server's side of a round.
 
-The clients of a round are split over the ranks. Each rank adds up what its own clients report
-(``collect``): the weighted sum of the upload deltas Σ_k w_k (θ_k − θ) in float64, the cohort's new
-client-state rows, and the round's statistics. One sum-all-reduce of all of that together
-(``CohortSums.all_reduce``; the identity on one process) gives every rank the whole cohort's sums. The
-weighted mean Δ = Σ w_k (θ_k − θ) / Σ w_k is then applied by ``server_step``: model parameters through the
-server optimiser with the pseudo-gradient −Δ (``SGD(lr=1)`` gives FedAvg, McMahan et al. 2017, eq. in §2),
-buffers directly, and any other upload (e.g. a control-variate delta) by the algorithm's ``server_update``.
+The clients of a round are split over the ranks, balanced by training samples (``assign_clients``: a pure function
+of the cohort and the client sizes, so every rank computes the same split). Each rank adds up what its own clients
+report (``collect``): the weighted sum of the upload deltas Σ_k w_k (θ_k − θ) in float64, its clients' new
+client-state rows, and the round's statistics, all on the device (no host reads per client). Then
+``CohortSums.all_reduce``: one sum-all-reduce of the sums and statistics, and one all-gather per dtype of the
+state rows, in which each rank sends only the rows of its own clients (the identity on one process). The weighted
+mean Δ = Σ w_k (θ_k − θ) / Σ w_k is applied by ``server_step``: model parameters through the server optimiser with
+the pseudo-gradient −Δ (``SGD(lr=1)`` gives FedAvg, McMahan et al. 2017, eq. in §2), buffers directly, and any
+other upload (e.g. a control-variate delta) by the algorithm's ``server_update``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -20,9 +23,21 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.ledger import CommunicationLedger
-from fl_lightning.local import Params
+from fl_lightning.local import Params, per_client, to_device
 
 log = logging.getLogger("fl_lightning")
+
+
+def assign_clients(sizes: Sequence[int], world: int) -> list[list[int]]:
+    """The cohort positions each rank trains, balanced by sample count: largest client first, each to the rank
+    with the fewest samples so far (then the fewest clients, then the lowest rank); positions in cohort order.
+    With equal sizes this is ``cohort[rank::world]``'s round robin."""
+    loads, out = [0] * world, [[] for _ in range(world)]
+    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        r = min(range(world), key=lambda r: (loads[r], len(out[r]), r))
+        out[r].append(j)
+        loads[r] += sizes[j]
+    return [sorted(positions) for positions in out]
 
 
 @dataclass
@@ -43,7 +58,7 @@ class RoundStats:
         return self.weighted_loss / max(self.weight, 1e-12)
 
     def to_tensor(self, device: torch.device | str) -> Tensor:
-        return torch.tensor(astuple(self), dtype=torch.float64, device=device)
+        return to_device(torch.tensor(astuple(self), dtype=torch.float64), torch.device(device))
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> RoundStats:
@@ -56,25 +71,48 @@ class RoundStats:
 
 @dataclass
 class CohortSums:
-    """What the clients of a round report, added up: this rank's clients, then (after ``all_reduce``) all."""
+    """What the clients of a round report, added up: this rank's clients, then (after ``all_reduce``) all.
+
+    Before ``all_reduce`` the statistics that depend on the clients' values (weights, losses, survivors) are the
+    device tensor ``counts`` (added to ``stats`` by the reduction, which reads them back once)."""
 
     delta_sums: Params  #: Σ_k w_k (upload_k − global) for model tensors, Σ_k w_k upload_k for other uploads (float64)
-    state_rows: Params  #: the cohort's client-state rows ``[len(cohort), ...]`` (zeros for other ranks' clients)
+    state_rows: Params  #: new client-state rows ``[R, ...]`` of the clients ``positions`` (cohort positions)
+    positions: list[int]
     stats: RoundStats
+    counts: Tensor | None = None  #: [weight, weighted_loss, samples, survivors, non_finite] before the reduction
+    finite: Tensor | None = None  #: which of ``positions`` sent finite values (this rank)
+    notes: dict[str, Any] = field(default_factory=dict)
 
-    def all_reduce(self, strategy: Any, device: torch.device) -> CohortSums:
-        """Sum over ranks with one collective (``strategy.reduce``; the identity on one process)."""
-        groups = (self.delta_sums, self.state_rows)
-        flat = torch.cat([t.reshape(-1).double() for g in groups for t in g.values()] + [self.stats.to_tensor(device)])
+    def all_reduce(
+        self, strategy: Any, device: torch.device, layout: Sequence[Sequence[int]] | None = None
+    ) -> CohortSums:
+        """Sum the deltas and statistics over ranks with one all-reduce, and gather the state rows: ``layout[r]``
+        are the cohort positions whose rows rank ``r`` sends (each rank its own clients only). On one process
+        the reduction is the identity."""
+        stats = self.stats.to_tensor(device)
+        if self.counts is not None:
+            stats = stats + torch.cat([self.counts[:4], stats.new_zeros(1), self.counts[4:], stats.new_zeros(2)])
+        flat = torch.cat([t.reshape(-1).double() for t in self.delta_sums.values()] + [stats])
         flat = strategy.reduce(flat, reduce_op="sum")
-        unpacked, i = [], 0
-        for group in groups:
-            out = {}
-            for n, t in group.items():
-                out[n] = flat[i : i + t.numel()].view(t.shape).to(t.dtype)
-                i += t.numel()
-            unpacked.append(out)
-        return CohortSums(unpacked[0], unpacked[1], RoundStats.from_tensor(flat[i:]))
+        sums, i = {}, 0
+        for n, t in self.delta_sums.items():
+            sums[n] = flat[i : i + t.numel()].view(t.shape).to(t.dtype)
+            i += t.numel()
+        total = RoundStats.from_tensor(flat[i:])  # the round's one read of the device
+        if total.non_finite and self.finite is not None:
+            self._log_non_finite()
+        world = getattr(strategy, "world_size", 1)
+        if world == 1 or layout is None:
+            return CohortSums(sums, self.state_rows, self.positions, total)
+        rows, positions = gather_rows(strategy, self.state_rows, layout)
+        return CohortSums(sums, rows, positions, total)
+
+    def _log_non_finite(self) -> None:
+        bad = (~self.finite).nonzero().flatten().tolist()  # only when some client sent non-finite values
+        for k in bad:
+            client = self.notes["clients"][k]
+            log.warning("round %d: client %d sent a non-finite update; it is dropped", self.notes["round"], client)
 
     def mean_update(self, template: Params) -> Params:
         """The weighted mean Δ, in each tensor's dtype (integer buffers stay float64 and are rounded on apply);
@@ -86,9 +124,41 @@ class CohortSums:
         return {n: s / weight.to(s.device) for n, s in sums.items()}
 
 
+def gather_rows(strategy: Any, rows: Params, layout: Sequence[Sequence[int]]) -> tuple[Params, list[int]]:
+    """Every rank's state rows, each rank sending only its own (``layout[r]`` positions, padded to the longest
+    rank's count): one all-gather per dtype. Returns the rows of all ranks and their cohort positions."""
+    width = max((len(p) for p in layout), default=0)
+    positions = [j for p in layout for j in p]
+    if width == 0 or not rows:
+        return {n: v[:0] for n, v in rows.items()}, positions
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n, v in rows.items():
+        by_dtype.setdefault(v.dtype, []).append(n)
+    out: Params = {}
+    keep = [r * width + i for r, p in enumerate(layout) for i in range(len(p))]
+    some = next(iter(rows.values()))
+    keep_t = to_device(torch.tensor(keep, dtype=torch.long), some.device)
+    for names in by_dtype.values():
+        mine = torch.cat([rows[n].reshape(rows[n].shape[0], -1) for n in names], dim=1)
+        padded = mine.new_zeros(width, mine.shape[1])
+        padded[: mine.shape[0]] = mine
+        gathered = strategy.all_gather(padded).reshape(-1, mine.shape[1]).index_select(0, keep_t)
+        i = 0
+        for n in names:
+            size = rows[n][0].numel() if rows[n].shape[0] else int(torch.Size(rows[n].shape[1:]).numel())
+            out[n] = gathered[:, i : i + size].reshape(len(keep), *rows[n].shape[1:])
+            i += size
+    return out, positions
+
+
+def _rows(mask: Tensor, like: Tensor) -> Tensor:
+    """A ``[K]`` mask shaped to select rows of ``like`` ``[K, ...]``."""
+    return mask.view(-1, *([1] * (like.dim() - 1)))
+
+
 def collect(
     round_idx: int,
-    cohort: Tensor,
+    cohort: Sequence[int],
     mine: list[int],
     active: list[int],
     updates: list[ClientUpdate],
@@ -100,34 +170,56 @@ def collect(
     stats: RoundStats,
     algorithm_name: str,
 ) -> CohortSums:
-    """Add up this rank's reports. ``mine`` are this rank's positions in ``cohort``, ``active`` those that did
-    not fail; ``updates[k]`` is ``active[k]``'s report. Every upload passes the privacy ``ledger`` first; a
-    report that is not finite is dropped (and counted); clients that fail keep their state."""
-    sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}  # ints too (BN counts)
-    rows = {n: torch.zeros_like(v) for n, v in cohort_states.items()}
-    for j in mine:
-        for n in rows:
-            rows[n][j] = cohort_states[n][j]
+    """Add up this rank's reports. ``cohort`` are the round's client ids (host), ``mine`` this rank's positions in
+    it, ``active`` those that did not fail; ``updates[k]`` is ``active[k]``'s report. Every upload passes the
+    privacy ``ledger`` first; a report that is not finite is dropped (and counted, on the device); clients that fail
+    keep their state. The state rows returned are those of ``active`` (a dropped client's row is its old state)."""
     for j, upd in zip(active, updates):
-        client = int(cohort[j])
-        ledger.upload(round_idx, client, upd.upload)
+        ledger.upload(round_idx, cohort[j], upd.upload)
         if set(upd.upload) != set(template):
             raise RuntimeError(f"{algorithm_name} uploaded {sorted(upd.upload)}, not its template")
-        if not all(torch.isfinite(v).all() for v in (*upd.upload.values(), *upd.state.values())):
-            log.warning("round %d: client %d sent a non-finite update; it is dropped", round_idx, client)
-            stats.non_finite += 1
-            continue
-        w = float(upd.num_samples) if weighting == "num_samples" else 1.0
-        for n, v in upd.upload.items():
-            sums[n] += w * (v - global_params[n]) if n in global_params else w * v
-        for n in rows:
-            rows[n][j] = upd.state[n]
-        stats.weight += w
-        stats.weighted_loss += float(w * upd.loss)
-        stats.samples += float(upd.num_samples)
-        stats.survivors += 1
     stats.upload_bytes += ledger.upload_bytes
-    return CohortSums(sums, rows, stats)
+    device = next(iter(global_params.values())).device if global_params else torch.device("cpu")
+    if not updates:
+        sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}
+        return CohortSums(sums, {n: v[:0] for n, v in cohort_states.items()}, [], stats)
+    uploads = {n: torch.stack([u.upload[n] for u in updates]) for n in template}
+    new_rows = {n: torch.stack([u.state[n] for u in updates]) for n in cohort_states}
+    finite = torch.ones(len(updates), dtype=torch.bool, device=device)
+    for t in (*uploads.values(), *new_rows.values()):
+        if t.is_floating_point():
+            finite = finite & torch.isfinite(t).reshape(len(updates), -1).all(1)
+    host = [float(u.num_samples) if weighting == "num_samples" else 1.0 for u in updates]
+    sizes = [float(u.num_samples) for u in updates]
+    host_t = to_device(torch.tensor([host, sizes], dtype=torch.float64), device)
+    weight = torch.where(finite, host_t[0], 0.0)
+    losses = torch.stack([torch.as_tensor(u.loss, device=device).reshape(()).double() for u in updates])
+    sums = {}
+    for n, v in uploads.items():
+        delta = v - global_params[n] if n in global_params else v
+        if not delta.is_floating_point():
+            delta = delta.double()
+        delta = torch.where(_rows(finite, delta), delta, 0.0)
+        sums[n] = (per_client(weight, delta) * delta).double().sum(0)
+    index = to_device(torch.tensor(active, dtype=torch.long), device)
+    rows = {}
+    for n, v in new_rows.items():
+        old = cohort_states[n].index_select(0, index)
+        rows[n] = torch.where(_rows(finite, v), v.to(old.dtype), old)
+    counts = torch.stack(
+        [weight.sum(), torch.where(finite, weight * losses, 0.0).sum(), torch.where(finite, host_t[1], 0.0).sum(),
+         finite.double().sum(), (~finite).double().sum()]
+    )  # fmt: skip
+    notes = {"round": round_idx, "clients": [cohort[j] for j in active]}
+    return CohortSums(sums, rows, list(active), stats, counts, finite, notes)
+
+
+def scatter_state(bank: Any, cohort: Sequence[int], sums: CohortSums) -> None:
+    """Write the cohort's new client-state rows into the bank (rows of ``sums.positions``)."""
+    if not sums.positions or not sums.state_rows:
+        return
+    device = next(iter(sums.state_rows.values())).device
+    bank.scatter(to_device(torch.tensor([cohort[j] for j in sums.positions]), device), sums.state_rows)
 
 
 def add_delta(value: Tensor, delta: Tensor) -> Tensor:

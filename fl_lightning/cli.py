@@ -143,6 +143,9 @@ def _make_cli_class(stage: str = "fit"):
             parser.add_argument(
                 "--overwrite", type=bool, default=False, help="fit: replace the run that --run_dir holds."
             )
+            parser.add_argument(
+                "--tf32", type=bool, default=True, help="float32 matmuls/convolutions on CUDA use TF32 (set_tf32)."
+            )
 
         def before_instantiate_classes(self) -> None:
             from fl_lightning.sizes import share_sizes  # issue 18: network sizes come from the data
@@ -154,7 +157,9 @@ def _make_cli_class(stage: str = "fit"):
             if stage != "fit" and not cfg.ckpt_path:
                 raise ConfigError(f"{stage} needs a checkpoint: --ckpt_path PATH (or 'last' for the run directory's)")
             trainer_cfg = self._get(self.config_init, "trainer", default={})
+            set_tf32(cfg.tf32)
             kwargs.update(validation_schedule(trainer_cfg, cfg.model.eval_every))
+            kwargs.update(distributed_strategy(trainer_cfg))
             if str(trainer_cfg.get("precision")) in ("16", "16-mixed"):
                 raise ConfigError(FP16_REFUSED)
             if cfg.checkpoint_every < 1:
@@ -206,6 +211,26 @@ def _make_cli_class(stage: str = "fit"):
             return trainer
 
     return FederatedCLI
+
+
+def set_tf32(enabled: bool) -> None:
+    """The one TF32 policy of every run (``train.py`` and the experiment runner, in process or in workers: both go
+    through ``run``): float32 matrix products, convolutions and LSTMs on CUDA use TF32 tensor cores when ``enabled``
+    (``--tf32``, default true, recorded in the run's config), IEEE float32 otherwise. CPU math is left alone."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = enabled  # (torch.get_float32_matmul_precision: "high" / "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def distributed_strategy(trainer_cfg: dict[str, Any]) -> dict[str, Any]:
+    """``strategy: ddp`` as DDP without the buffer broadcast at every forward: every rank keeps the model's buffers
+    and the client bank identical by construction (the same reduced update, the same gathered rows)."""
+    if trainer_cfg.get("strategy") != "ddp":
+        return {}
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return {"strategy": DDPStrategy(broadcast_buffers=False)}
 
 
 def validation_schedule(trainer_cfg: dict[str, Any], eval_every: int | None) -> dict[str, Any]:
@@ -550,11 +575,8 @@ def main(args: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, end="", file=sys.stderr)
         return 2
-    import torch
-
     from fl_lightning.module import TrainingDiverged
 
-    torch.set_float32_matmul_precision("high")
     try:
         run(args)
     except (ConfigError, FileNotFoundError) as exc:

@@ -44,8 +44,20 @@ class ClientSplit:
     def sizes(self) -> Tensor:
         return self.ptr[1:] - self.ptr[:-1]
 
+    @property
+    def offsets(self) -> list[int]:
+        """``ptr`` on the host (read once, then kept; also by ``to``): slicing a client's rows reads no device."""
+        if getattr(self, "_offsets", None) is None:
+            self._offsets = self.ptr.tolist()
+        return self._offsets
+
+    def host_sizes(self, clients: Sequence[int]) -> list[int]:
+        """The training rows of ``clients``, from the host offsets."""
+        offsets = self.offsets
+        return [offsets[c + 1] - offsets[c] for c in clients]
+
     def client(self, c: int) -> tuple[Tensor, Tensor]:
-        lo, hi = int(self.ptr[c]), int(self.ptr[c + 1])
+        lo, hi = self.offsets[c], self.offsets[c + 1]
         return self.x[lo:hi], self.y[lo:hi]
 
     def client_ids(self) -> Tensor:
@@ -54,7 +66,9 @@ class ClientSplit:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ClientSplit:
         """Move to ``device``; with ``dtype``, floating ``x``/``y`` are cast too (integer labels, indices stay)."""
-        return ClientSplit(_cast(self.x, device, dtype), _cast(self.y, device, dtype), self.ptr.to(device))
+        moved = ClientSplit(_cast(self.x, device, dtype), _cast(self.y, device, dtype), self.ptr.to(device))
+        moved._offsets = self.offsets
+        return moved
 
 
 @dataclass

@@ -151,18 +151,18 @@ def mean_of_last(history: list[dict[str, float]], key: str, count: int) -> float
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------
-def score_outputs(out: Tensor, y: Tensor, num_classes: int | None) -> tuple[float, int, float]:
-    """(correct predictions, samples, summed loss) of one client's test outputs."""
+def score_outputs(out: Tensor, y: Tensor, num_classes: int | None) -> tuple[Tensor | float, int, Tensor]:
+    """(correct predictions, samples, summed loss) of one client's test outputs; the sums stay on the device."""
     if num_classes is None:
-        return 0.0, y.shape[0], float(((out.to(torch.promote_types(out.dtype, y.dtype)) - y) ** 2).sum())
-    loss = float(torch.nn.functional.cross_entropy(out.float(), y, reduction="sum"))
-    return float((out.argmax(-1) == y).sum()), y.shape[0], loss
+        return 0.0, y.shape[0], ((out.to(torch.promote_types(out.dtype, y.dtype)) - y) ** 2).sum()
+    loss = torch.nn.functional.cross_entropy(out.float(), y, reduction="sum")
+    return (out.argmax(-1) == y).sum(), y.shape[0], loss
 
 
 @torch.no_grad()
 def score_client(
     net: nn.Module, fed: FederatedData, client: int, params: Params, split: str = "test"
-) -> tuple[float, int, float]:
+) -> tuple[Tensor | float, int, Tensor | float]:
     """Score ``params`` on the client's ``split`` (``test`` or ``val``), in slices of 2048 samples."""
     x, y = fed.evaluation_split(split).client(client)
     if x.shape[0] == 0:
@@ -249,7 +249,7 @@ def _evaluate_with_shared_body(
             heads = _finetune_heads(module, clients, glob, heads, round_idx, finetune)
     net.eval()
     body = {n[len("body.") :]: v for n, v in glob.items() if n.startswith("body.")}
-    spans = [(int(test.ptr[c]), int(test.ptr[c + 1])) for c in clients]
+    spans = [(test.offsets[c], test.offsets[c + 1]) for c in clients]  # host offsets: no device reads
     rows = torch.cat([torch.arange(lo, hi, device=test.x.device) for lo, hi in spans]) if spans else None
     if rows is None or rows.numel() == 0:
         return

@@ -1,50 +1,87 @@
 """The vectorized client executor: all sampled clients of a round in one pass, with the sequential loop's math.
 
 ``VectorizedContext`` presents ``K`` clients to an algorithm as one context whose parameters are stacked
-``[K, ...]``. Algorithms written only with dict operations and ``ctx.sgd`` (FedAvg, FedPer, LG-FedAvg,
-Local Only, FedRep, FedProx, …; ``Algorithm.vectorizable = True``) run unchanged on it.
+``[K, ...]``. Algorithms written only with dict operations and ``ctx.sgd`` (``Algorithm.vectorizable = True``:
+FedAvg, FedPer, LG-FedAvg, Local Only, FedRep, FedProx, Ditto, SCAFFOLD, APFL, L2GD, Fed-MTL, Per-FedAvg) run
+unchanged on it; per-client constants of a loss term travel in a ``Penalty``'s data, custom step directions
+(Per-FedAvg's meta-gradient, APFL's two models) as a ``Gradient`` function that is ``vmap``-ed over clients.
 
-Its ``sgd`` reproduces ``ClientContext.sgd`` exactly: each client shuffles with its own generator, walks its
-own minibatches (padded and masked to the longest client), and takes steps of the client optimiser, written out
-for stacked tensors (``BatchedSGD``, ``BatchedAdam``: the math of ``torch.optim.SGD``, ``Adam`` and ``AdamW``);
-a client that has run out of batches (or of its straggler budget) is frozen by a mask, optimiser state
-included. Other client optimisers run client by client with the ``torch.optim`` class itself (logged once).
+Its ``sgd`` reproduces ``ClientContext.sgd``: each client draws its epochs from its own generator exactly as the
+sequential loop does (``epoch_draws``), walks its own minibatches (padded and masked; step ``s`` of every client
+runs together), and takes steps of the client optimiser, written out for stacked tensors (``BatchedSGD``,
+``BatchedAdam``: the math of ``torch.optim.SGD``, ``Adam`` and ``AdamW``); a client that has run out of steps
+(or of its straggler budget) is frozen by a mask, optimiser state included.
 
-Work that does not change the result is skipped:
+No host syncs inside a phase: the draws of all its epochs are made on the CPU generators before the first step and
+moved to the device in ONE copy (``PhasePlan``); which client steps when is known on the host; losses are summed
+on the device. How each step is computed:
 
-* a phase that trains only the head, with no side branch and no augmentation, computes the frozen body's
-  features once per client and round (one batched pass when all clients share the body) and trains the heads
-  on them;
-* steps are ``vmap``-ed over clients for heads and models without convolutions; convolutional phases run
-  client by client with plain autograd in ``channels_last`` memory format (``vmap`` over per-client conv weights
-  and ``torch.func.grad`` were both slower than that on CPU).
+* a phase that trains only the head (no side branch) on a frozen body runs the body on the phase's batches in a
+  few large no-grad passes: once per client and round without augmentation, or per block of steps on the
+  augmented batches, as ONE batch for the whole cohort when the clients share the body (FedRep's head phase,
+  "+FT") — then trains the heads on those features;
+* networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
+  matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
+* other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
+  turns a convolution with per-client weights into one grouped convolution);
+* client by client (``ClientContext`` on the same generators, so the same numbers), logged once: convolutional
+  phases on the CPU (``CONV_CLIENTS``: plain autograd in ``channels_last`` beat both ``vmap`` and grouped
+  convolutions there, ``make bench`` measures it), recurrent networks (LSTM: no batching rule for per-client
+  weights), client optimisers without a batched form, augmentations that cannot draw ahead.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fl_lightning.local import (
     STEPS,
     ClientContext,
     ClientOptimizer,
+    Gradient,
     Params,
     Penalty,
+    PenaltyLike,
+    draws_ahead,
+    epoch_draws,
     factory_name,
     select,
     state_name,
     step_limit,
+    steps_per_epoch,
+    to_device,
 )
+from fl_lightning.models.split import SplitModel
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
+#: How convolutional phases run over per-client weights, by device type: ``loop`` (client by client, plain autograd
+#: in channels_last) or ``vmap`` (one grouped convolution for the cohort). ``loop`` won on the CPU (``make bench``,
+#: workload ``conv_clients``); other devices use ``vmap`` unless set here (the benchmark reports both).
+CONV_CLIENTS: dict[str, str] = {"cpu": "loop"}
 log = logging.getLogger("fl_lightning")
 _fallbacks_logged: set[str] = set()
+
+
+def feature_chunk(device: torch.device) -> int:
+    """Samples per no-grad body pass: about 100 on the CPU (fastest there), large batches on accelerators."""
+    return FEATURE_CHUNK if device.type == "cpu" else 8192
+
+
+def conv_clients(device: torch.device) -> str:
+    return CONV_CLIENTS.get(device.type, "vmap")
+
+
+def _log_once(key: str, message: str, *args: object) -> None:
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
+        log.warning(message, *args)
 
 
 def _per_client(mask: Tensor, like: Tensor) -> Tensor:
@@ -132,13 +169,19 @@ def batched_rule(settings: ClientOptimizer) -> BatchedRule | None:
 
 
 def per_sample_loss_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """Cross-entropy, or ½·squared error averaged over each sample's outputs (so that its batch mean is the
+    sequential loop's ``0.5 * mse_loss``)."""
     if num_classes is None:
-        return lambda out, y: 0.5 * (out - y) ** 2
+        return lambda out, y: 0.5 * ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
     return lambda out, y: F.cross_entropy(out, y, reduction="none")
 
 
 def has_conv(net: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in net.modules())
+
+
+def has_rnn(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.RNNBase) for m in net.modules())
 
 
 def has_batchnorm(net: nn.Module) -> bool:
@@ -151,6 +194,121 @@ def stack(dicts: Sequence[Params]) -> Params:
 
 def unstack(stacked: Params, k: int) -> Params:
     return {n: v[k] for n, v in stacked.items()}
+
+
+# ---- batched forward passes without vmap ---------------------------------------------------------------------
+ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.LeakyReLU, nn.SiLU, nn.Softplus, nn.Identity)
+
+
+def stackable(module: nn.Module) -> bool:
+    """Whether ``stacked_forward`` computes ``module`` for stacked parameters: ``Linear``, elementwise activations,
+    ``Flatten``, ``Sequential`` of those, and a ``SplitModel`` of those without a side branch."""
+    kind = type(module)
+    if kind is nn.Linear or kind is nn.Flatten or kind in ELEMENTWISE:
+        return True
+    if kind is nn.Sequential:
+        return all(stackable(m) for m in module)
+    if isinstance(module, SplitModel) and kind.forward is SplitModel.forward and module.side is None:
+        return stackable(module.body) and stackable(module.head)
+    return False
+
+
+def stacked_forward(module: nn.Module, params: Params, x: Tensor, prefix: str = "") -> Tensor:
+    """``module`` applied by every client ``k`` with its parameters ``params[name][k]`` to its inputs ``x[k]``
+    (``[K, B, ...]`` → ``[K, B, ...]``): a ``Linear`` is one batched matrix product (``baddbmm``)."""
+    kind = type(module)
+    if kind is nn.Linear:
+        weight, bias = params[prefix + "weight"], params.get(prefix + "bias")
+        flat = x.reshape(x.shape[0], -1, x.shape[-1])
+        if bias is None:
+            out = torch.bmm(flat, weight.transpose(1, 2))
+        else:
+            out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
+        return out.reshape(*x.shape[:-1], weight.shape[1])
+    if kind is nn.Flatten:
+        start = module.start_dim + 1 if module.start_dim >= 0 else module.start_dim
+        end = module.end_dim + 1 if module.end_dim >= 0 else module.end_dim
+        return x.flatten(start, end)
+    if kind in ELEMENTWISE:
+        return module(x)
+    if kind is nn.Sequential:
+        for name, child in module.named_children():
+            x = stacked_forward(child, params, x, f"{prefix}{name}.")
+        return x
+    if isinstance(module, SplitModel):
+        features = stacked_forward(module.body, params, x, prefix + "body.")
+        return stacked_forward(module.head, params, features, prefix + "head.")
+    raise TypeError(f"stacked_forward: {kind.__name__} is not supported")
+
+
+# ---- a phase's minibatches, drawn before its first step ------------------------------------------------------
+@dataclass
+class PhasePlan:
+    """Every step of one ``sgd`` phase for ``K`` clients: ``rows[s, k]`` are the data rows of client ``k``'s
+    ``s``-th minibatch (``-1``: padding), ``draws[s, k]`` their augmentation draws, ``steps[k]`` how many steps
+    client ``k`` takes. Built on the host from the clients' generators, moved to the device in one copy."""
+
+    rows: Tensor
+    draws: Tensor | None
+    steps: Tensor
+    host_steps: list[int]
+
+    @property
+    def num_steps(self) -> int:
+        return self.rows.shape[0]
+
+
+def plan_phase(
+    sizes: Sequence[int],
+    offsets: Sequence[int],
+    generators: Sequence[torch.Generator],
+    budgets: Sequence[float],
+    augment: Callable | None,
+    epochs: int,
+    batch_size: int,
+    min_batch: int,
+    max_steps: int | None,
+    device: torch.device,
+) -> PhasePlan:
+    """The draws ``ClientContext.sgd`` makes, for every client: per epoch entered, one ``epoch_draws`` (shuffle and
+    augmentation), then its minibatches in order, the last one skipped if it has fewer than ``min_batch`` samples,
+    up to the client's step limit. Step ``s`` of every client is row ``s`` of the plan."""
+    per_client: list[tuple[list[Tensor], list[Tensor]]] = []
+    steps: list[int] = []
+    for n, start, g, budget in zip(sizes, offsets, generators, budgets):
+        limit = step_limit(budget, epochs, n, batch_size, max_steps, min_batch)
+        per_epoch = steps_per_epoch(n, batch_size, min_batch)
+        rows, draws, taken = [], [], 0
+        for _ in range(epochs):
+            if limit is not None and taken >= limit:
+                break
+            perm, drawn = epoch_draws(n, g, augment)
+            take = per_epoch if limit is None else min(per_epoch, limit - taken)
+            if take:
+                used = min(n, per_epoch * batch_size)
+                padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
+                padded[:used] = perm[:used] + start
+                rows.append(padded.view(per_epoch, batch_size)[:take])
+                if drawn is not None:
+                    d = drawn.new_zeros(per_epoch * batch_size, *drawn.shape[1:])
+                    d[:used] = drawn[:used]
+                    draws.append(d.view(per_epoch, batch_size, *drawn.shape[1:])[:take])
+            taken += take
+        per_client.append((rows, draws))
+        steps.append(taken)
+    total = max(steps, default=0)
+    width = 1 + (per_client[0][1][0][0, 0].numel() if any(d for _, d in per_client) else 0)
+    packed = torch.zeros(total, len(sizes), batch_size, width, dtype=torch.long)
+    packed[..., 0] = -1  # padding rows (their draws stay 0: any valid draw, masked out of the loss)
+    for k, (rows, draws) in enumerate(per_client):
+        if rows:
+            packed[: steps[k], k, :, 0] = torch.cat(rows)
+        if draws:
+            packed[: steps[k], k, :, 1:] = torch.cat(draws).reshape(steps[k], batch_size, -1)
+    packed = torch.cat([packed.reshape(-1), torch.tensor(steps, dtype=torch.long)])
+    packed = to_device(packed, device)  # the phase's only host-to-device transfer
+    body, steps_t = packed[: -len(sizes)].view(total, len(sizes), batch_size, width), packed[-len(sizes) :]
+    return PhasePlan(body[..., 0], body[..., 1:] if width > 1 else None, steps_t, steps)
 
 
 class VectorizedContext:
@@ -173,25 +331,33 @@ class VectorizedContext:
         cache_features: bool = True,
         loop_over_clients: bool | None = None,
     ) -> None:
-        self.net, self.clients, self.xs, self.ys, self.sides = net, list(clients), list(xs), list(ys), sides
+        self.net, self.clients, self.xs, self.ys = net, list(clients), list(xs), list(ys)
+        self.sides = None if sides is None else torch.stack(list(sides))
         self.optimizer, self.per_sample_loss, self.generators = optimizer, per_sample_loss, list(generators)
         self.augment, self.round, self.seed, self.step_budgets = augment, round_idx, seed, list(step_budgets)
         self.cache_features = cache_features
-        self.loop_over_clients = has_conv(net) if loop_over_clients is None else loop_over_clients
+        self.device = xs[0].device if xs else torch.device("cpu")
+        if loop_over_clients is None:
+            loop_over_clients = has_conv(net) and conv_clients(self.device) == "loop"
+        self.loop_over_clients = loop_over_clients
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
-        device = xs[0].device if xs else torch.device("cpu")
-        self.sizes = torch.tensor([x.shape[0] for x in xs], device=device)
-        self.train_loss: Tensor = torch.zeros(len(xs), device=device)
+        self.sizes = [x.shape[0] for x in xs]  # on the host: nothing is read back from the device
+        self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
+        self.train_loss: Tensor = torch.zeros(len(xs), device=self.device)
+        #: the minibatch steps each client took in the last phase (``[K]``, on the device)
+        self.steps_taken: Tensor = torch.zeros(len(xs), dtype=torch.long, device=self.device)
         self.feature_passes = 0  # how many times a frozen body computed features (for tests and the benchmark)
         #: the clients' kept optimiser state stacked ``[K, ...]`` (``local.state_template`` names), or None: fresh
         self.optimizer_state: Params | None = None
+        self._data: tuple[Tensor, Tensor] | None = None
+        self._side: Tensor | None = None  # the client's side vector inside a vmapped step (``batch_loss``)
 
     @property
     def num_clients(self) -> int:
         return len(self.clients)
 
     @property
-    def num_samples(self) -> Tensor:
+    def num_samples(self) -> list[int]:
         return self.sizes
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
@@ -201,66 +367,87 @@ class VectorizedContext:
         chosen = set(select(self.param_names, prefixes))
         return [n for n in self.param_names if n not in chosen]
 
-    # ---- minibatches ----------------------------------------------------------------------------------------
-    def _epoch_batches(
-        self, inputs: Sequence[Tensor], remaining: Sequence[int]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One epoch for every client, padded: ``x [K, B, bs, ...]``, ``y``, ``mask [K, B, bs]``, ``active [K, B]``.
+    @property
+    def data(self) -> tuple[Tensor, Tensor]:
+        """All K clients' training rows, client after client (row ``offsets[k] + i`` is client k's sample i)."""
+        if self._data is None:
+            self._data = (torch.cat(self.xs), torch.cat(self.ys))
+        return self._data
 
-        Each client draws its permutation (and augmentations) from its own generator exactly as the sequential
-        loop does: a client with no steps ``remaining`` draws nothing, and batches past its budget are not made.
-        """
-        bs = self.optimizer.batch_size
-        num_batches = [min(-(-x.shape[0] // bs), r) for x, r in zip(inputs, remaining)]
-        b_max = max(num_batches)
-        x_out = inputs[0].new_zeros(self.num_clients, b_max, bs, *inputs[0].shape[1:])
-        y_out = self.ys[0].new_zeros(self.num_clients, b_max, bs)
-        mask = torch.zeros(self.num_clients, b_max, bs, device=inputs[0].device)
-        for k, (x, g) in enumerate(zip(inputs, self.generators)):
-            if num_batches[k] <= 0:
+    # ---- losses ------------------------------------------------------------------------------------------------
+    def _masked_loss(
+        self, module: nn.Module, names: dict[str, str], params: Params, x: Tensor, y: Tensor, mask: Tensor
+    ) -> Tensor:
+        """One client's mean loss over the real rows of a padded batch (inside ``vmap``)."""
+        local = {names[n]: v for n, v in params.items() if n in names}
+        kwargs = {}
+        if module is self.net and self._side is not None:
+            kwargs["side"] = self._side.expand(x.shape[0], *self._side.shape)
+        out = functional_call(module, local, (x,), kwargs, strict=False)
+        return (self.per_sample_loss(out, y) * mask).sum() / mask.sum().clamp(min=1)
+
+    def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        """One client's minibatch loss for a ``Gradient`` function (called inside ``vmap``)."""
+        mask = torch.ones_like(y, dtype=x.dtype) if mask is None else mask
+        return self._masked_loss(self.net, {n: n for n in params}, params, x, y, mask)
+
+    @torch.no_grad()
+    def mean_loss(self, params: Params) -> Tensor:
+        """Each client's loss on all of its training data with its own ``params`` (``[K]``)."""
+        out = []
+        for k, (x, y) in enumerate(zip(self.xs, self.ys)):
+            mine = unstack(params, k)
+            self._side = None if self.sides is None else self.sides[k]
+            if x.shape[0] == 0:
+                out.append(torch.zeros((), device=self.device))
                 continue
-            perm = torch.randperm(x.shape[0], generator=g).to(x.device)
-            for b in range(num_batches[k]):
-                idx = perm[b * bs : (b + 1) * bs]
-                xb = x[idx]
-                if self.augment is not None and inputs is self.xs:
-                    xb = self.augment(xb, g)
-                x_out[k, b, : len(idx)] = xb
-                y_out[k, b, : len(idx)] = self.ys[k][idx]
-                mask[k, b, : len(idx)] = 1.0
-        active = (
-            torch.arange(b_max, device=mask.device)[None, :] < torch.tensor(num_batches, device=mask.device)[:, None]
-        )
-        return x_out, y_out, mask, active
+            out.append(self._masked_loss(self.net, {n: n for n in mine}, mine, x, y, torch.ones_like(y, dtype=x.dtype)))
+        self._side = None
+        return torch.stack(out) if out else torch.zeros(0, device=self.device)
 
     # ---- features of a frozen body --------------------------------------------------------------------------
-    def _head_only(self, trainable: Sequence[str]) -> bool:
+    def _head_only(self, trainable: Sequence[str], gradient: Gradient | None) -> bool:
         return (
             self.cache_features
-            and self.augment is None
+            and gradient is None
+            and self.sides is None
             and getattr(self.net, "side", None) is None
-            and hasattr(self.net, "body")
-            and hasattr(self.net, "head")
+            and isinstance(getattr(self.net, "body", None), nn.Module)
+            and isinstance(getattr(self.net, "head", None), nn.Module)
             and all(n.startswith("head.") for n in trainable)
         )
 
-    @torch.no_grad()
-    def _features(self, params: Params) -> list[Tensor]:
-        """φ(x) for every client with its (frozen) body; one pass over all data when the body is shared."""
-        self.feature_passes += 1
+    @staticmethod
+    def _body_of(params: Params) -> tuple[Params, bool]:
+        """The body's parameters (names without ``body.``) and whether all clients share them (stride-0 views
+        of one tensor, as the engine passes the global model: detected without reading the device)."""
         body = {n[len("body.") :]: v for n, v in params.items() if n.startswith("body.")}
-        shared = all(v.stride(0) == 0 or torch.equal(v[0].expand_as(v), v) for v in body.values())
+        return body, all(v.stride(0) == 0 for v in body.values())
+
+    def _body_rows(self, body: Params, x: Tensor) -> Tensor:
+        """φ(x) of rows ``x`` with one body, in chunks (``channels_last`` for images)."""
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return torch.cat([functional_call(self.net.body, body, (c,)) for c in x.split(feature_chunk(self.device))])
+
+    @torch.no_grad()
+    def _body_pass(self, body: Params, shared: bool, x: Tensor) -> Tensor:
+        """φ(x) for ``x`` ``[K, M, ...]`` (client k's rows with client k's body): ONE pass over the cohort's
+        rows in large chunks when the body is shared, else client by client."""
+        self.feature_passes += 1
         if shared:
-            one = {n: v[0] for n, v in body.items()}
-            data = torch.cat(self.xs)
-            if data.dim() == 4:
-                data = data.contiguous(memory_format=torch.channels_last)
-            feats = torch.cat([functional_call(self.net.body, one, (c,)) for c in data.split(FEATURE_CHUNK)])
-            return list(feats.split(self.sizes.tolist()))
-        return [
-            functional_call(self.net.body, unstack(body, k), (x,)) if x.shape[0] else x.new_zeros(0)
-            for k, x in enumerate(self.xs)
-        ]
+            feats = self._body_rows({n: v[0] for n, v in body.items()}, x.reshape(-1, *x.shape[2:]))
+            return feats.view(x.shape[0], x.shape[1], *feats.shape[1:])
+        return torch.stack([self._body_rows(unstack(body, k), x[k]) for k in range(x.shape[0])])
+
+    @torch.no_grad()
+    def _features(self, params: Params) -> Tensor:
+        """φ(x) of every client's training rows with its (frozen) body, in ``data`` order: ``[N, ...]``."""
+        body, shared = self._body_of(params)
+        if shared:
+            return self._body_pass(body, True, self.data[0].unsqueeze(0))[0]
+        self.feature_passes += 1
+        return torch.cat([self._body_rows(unstack(body, k), x) for k, x in enumerate(self.xs)])
 
     # ---- SGD --------------------------------------------------------------------------------------------------
     def sgd(
@@ -268,87 +455,208 @@ class VectorizedContext:
         params: Params,
         trainable: Sequence[str],
         epochs: int,
-        penalty: Penalty | None = None,
+        penalty: PenaltyLike | None = None,
         lr: float | None = None,
         max_steps: int | None = None,
+        *,
+        gradient: Gradient | None = None,
+        batch_size: int | None = None,
+        min_batch: int = 1,
     ) -> Params:
-        """``ClientContext.sgd`` for every client at once (same batches, same steps, same result)."""
-        out = {n: t.detach().clone() for n, t in params.items()}
+        """``ClientContext.sgd`` for every client at once (same batches, same steps, same result). Parameters it
+        does not train are returned as given (not copied)."""
+        out = {n: t.detach() for n, t in params.items()}
         if not trainable or epochs <= 0 or self.num_clients == 0:
             return out
+        if penalty is not None and not isinstance(penalty, Penalty):
+            penalty = Penalty(lambda p, _, fn=penalty: fn(p))
         lr = self.optimizer.lr if lr is None else lr
         rule = batched_rule(self.optimizer)
         trainable = list(trainable)
+        bs = batch_size or self.optimizer.batch_size
+        args = (out, trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch)
         if rule is None:
             name = factory_name(self.optimizer.factory)
-            if name not in _fallbacks_logged:
-                _fallbacks_logged.add(name)
-                log.warning("vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
-            return self._sgd_client_by_client(out, trainable, epochs, penalty, lr, max_steps)
-        wd, bs = rule.weight_decay, self.optimizer.batch_size
-        if self._head_only(trainable):
-            inputs, module = self._features(out), self.net.head
-            names = {n: n[len("head.") :] for n in out if n.startswith("head.")}
-        elif self.loop_over_clients:
-            return self._sgd_client_by_client(out, trainable, epochs, penalty, lr, max_steps)
+            _log_once(name, "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
+            return self._sgd_client_by_client(*args)
+        if self.augment is not None and not draws_ahead(self.augment):
+            _log_once("augment", "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
+            return self._sgd_client_by_client(*args)
+        head_only = self._head_only(trainable, gradient)
+        if not head_only and has_rnn(self.net):
+            _log_once("rnn", "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
+            return self._sgd_client_by_client(*args)
+        if not head_only and self.loop_over_clients:
+            return self._sgd_client_by_client(*args)
+        return self._sgd_batched(rule, head_only, *args)
+
+    def _sgd_batched(
+        self,
+        rule: BatchedRule,
+        head_only: bool,
+        out: Params,
+        trainable: list[str],
+        epochs: int,
+        penalty: Penalty | None,
+        lr: float,
+        max_steps: int | None,
+        gradient: Gradient | None,
+        bs: int,
+        min_batch: int,
+    ) -> Params:
+        augment = self.augment if draws_ahead(self.augment) else None
+        plan = plan_phase(
+            self.sizes, self.offsets, self.generators, self.step_budgets, augment,
+            epochs, bs, min_batch, max_steps, self.device,
+        )  # fmt: skip
+        self.steps_taken = plan.steps
+        if plan.num_steps == 0:
+            self.train_loss = torch.zeros(self.num_clients, device=self.device)
+            return out
+        data_x, data_y = self.data
+        valid = plan.rows >= 0
+        rows = plan.rows.clamp(min=0)
+        mask_all = valid.to(data_x.dtype if data_x.is_floating_point() else torch.get_default_dtype())
+        active_all = valid[:, :, 0]
+
+        if head_only:
+            module, names = self.net.head, {n: n[len("head.") :] for n in out if n.startswith("head.")}
+            body, shared = self._body_of(out)
+            batch_inputs = self._feature_batches(body, shared, rows, plan.draws)
         else:
-            inputs, module = self.xs, self.net
-            names = {n: n for n in out}
-        limits = [
-            step_limit(budget, epochs, int(n), bs, max_steps) or 1 << 62
-            for budget, n in zip(self.step_budgets, self.sizes)
-        ]
-        limits_t = torch.tensor(limits, device=self.sizes.device)
+            module, names = self.net, {n: n for n in out}
+
+            def batch_inputs(s: int) -> Tensor:
+                x = data_x[rows[s]]
+                if plan.draws is not None:
+                    x = self.augment.apply(x.flatten(0, 1), plan.draws[s].flatten(0, 1)).view(x.shape)
+                return x
+
+        stacked = gradient is None and self.sides is None and stackable(module)
+        step = None if stacked else self._vmapped_step(module, names, penalty, gradient)
 
         train = {n: out[n] for n in trainable}
-        frozen = {n: out[n] for n in out if n not in train}
+        frozen = {n: v for n, v in out.items() if n not in train}
+        pdata = {} if penalty is None else penalty.data
+        wd = rule.weight_decay
         kept = self.optimizer_state
-        if kept is None:  # a fresh optimiser for this phase
-            state = {n: rule.init(v) for n, v in train.items()}
-            count = {n: torch.zeros(self.num_clients, dtype=torch.long, device=v.device) for n, v in train.items()}
-        else:  # each client continues from its own kept state
-            state = {n: {k: kept[state_name(k, n)] for k in rule.keys} for n in train}
-            count = {n: kept[state_name(STEPS, n)].clone() for n in train}
-        steps = torch.zeros(self.num_clients, dtype=torch.long, device=self.sizes.device)
-        loss_sum = torch.zeros(self.num_clients, device=self.sizes.device)
-
-        def client_loss(p: Params, fz: Params, x: Tensor, y: Tensor, m: Tensor) -> Tensor:
-            local = {names[n]: v for n, v in {**fz, **p}.items() if n in names}
-            loss = (self.per_sample_loss(functional_call(module, local, (x,)), y) * m).sum() / m.sum()
-            if penalty is not None:
-                loss = loss + penalty({**fz, **p})
-            return loss
-
-        value_and_grad = torch.func.grad_and_value(client_loss)
-        for _ in range(epochs):
-            remaining = (limits_t - steps).clamp(min=0).tolist()
-            if max(remaining) <= 0:
-                break
-            xb_all, yb_all, mask_all, active_all = self._epoch_batches(inputs, remaining)
-            for b in range(xb_all.shape[1]):
-                active = active_all[:, b] & (steps < limits_t)
-                if not bool(active.any()):
-                    continue
-                safe_mask = mask_all[:, b].clone()
-                safe_mask[~active, 0] = 1.0  # inactive clients compute a throwaway loss (masked below)
-                grads, losses = vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
-                for n, g in grads.items():
-                    decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
-                    new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
-                    train[n] = torch.where(_per_client(active, g), new_p, train[n])
-                    state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
-                    count[n] = count[n] + active.long()
-                loss_sum += torch.where(active, losses.detach(), torch.zeros_like(losses))
-                steps += active.long()
-        self.train_loss = loss_sum / steps.clamp(min=1)
+        # a fresh optimiser for this phase, or each client's kept state (names outside the model start fresh)
+        state = {n: rule.init(v) for n, v in train.items()}
+        count = {n: torch.zeros(self.num_clients, dtype=torch.long, device=self.device) for n in train}
+        for n in train if kept is not None else ():
+            if state_name(STEPS, n) in kept:
+                state[n] = {k: kept[state_name(k, n)] for k in rule.keys}
+                count[n] = kept[state_name(STEPS, n)].clone()
+        loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
+        for s in range(plan.num_steps):
+            active, mask = active_all[s], mask_all[s]
+            x, y = batch_inputs(s), data_y[rows[s]]
+            if step is None:
+                grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
+            else:
+                grads, losses = step(train, frozen, x, y, mask, self.sides, pdata)
+            for n, g in grads.items():
+                decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
+                new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
+                train[n] = torch.where(_per_client(active, g), new_p, train[n])
+                state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
+                count[n] = count[n] + active.long()
+            loss_sum = loss_sum + torch.where(active, losses.detach().to(loss_sum.dtype), 0.0)
+        self.train_loss = loss_sum / plan.steps.clamp(min=1)
         if kept is not None:
             self.optimizer_state = dict(kept)
             for n in train:
+                if state_name(STEPS, n) not in kept:
+                    continue
                 self.optimizer_state[state_name(STEPS, n)] = count[n]
                 for k, v in state[n].items():
                     self.optimizer_state[state_name(k, n)] = v
-        out.update(train)
-        return {n: v.detach() for n, v in out.items()}
+        out.update({n: v.detach() for n, v in train.items()})
+        return out
+
+    def _feature_batches(
+        self, body: Params, shared: bool, rows: Tensor, draws: Tensor | None
+    ) -> Callable[[int], Tensor]:
+        """Step ``s`` → the frozen body's features of every client's minibatch ``[K, bs, ...]``. Without
+        augmentation each client's rows pass the body once; with it, the augmented batches of a block of steps
+        pass it together (the cohort as one large batch when the body is shared)."""
+        if draws is None:
+            feats = self._features({"body." + n: v for n, v in body.items()})
+            return lambda s: feats[rows[s]]
+        data_x = self.data[0]
+        k, bs = rows.shape[1], rows.shape[2]
+        block = max(1, feature_chunk(self.device) * (20 if self.device.type == "cpu" else 1) // (k * bs))
+        cache: dict[int, Tensor] = {}
+
+        def features(s: int) -> Tensor:
+            start = s - s % block
+            if start not in cache:
+                cache.clear()
+                r, d = rows[start : start + block], draws[start : start + block]
+                x = self.augment.apply(data_x[r.reshape(-1)], d.reshape(-1, d.shape[-1]))
+                x = x.view(r.shape[0], k, bs, *x.shape[1:]).transpose(0, 1).reshape(k, -1, *x.shape[1:])
+                f = self._body_pass(body, shared, x)  # [K, block·bs, ...]
+                cache[start] = f.view(k, r.shape[0], bs, *f.shape[2:]).transpose(0, 1)
+            return cache[start][s - start]
+
+        return features
+
+    def _stacked_step(
+        self,
+        module: nn.Module,
+        names: dict[str, str],
+        train: Params,
+        frozen: Params,
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor,
+        penalty: Penalty | None,
+        pdata: Params,
+    ) -> tuple[Params, Tensor]:
+        """Every client's gradient from one batched forward (``stacked_forward``) and ordinary autograd on the
+        sum of the client losses (each client's loss depends only on its own parameters)."""
+        with torch.enable_grad():
+            leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
+            full = {**frozen, **leaves}
+            local = {names[n]: v for n, v in full.items() if n in names}
+            out = stacked_forward(module, local, x)
+            per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
+            losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
+            if penalty is not None:
+                losses = losses + vmap(penalty.fn)(full, pdata)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        return {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}, losses
+
+    def _vmapped_step(
+        self, module: nn.Module, names: dict[str, str], penalty: Penalty | None, gradient: Gradient | None
+    ) -> Callable:
+        """``vmap`` over clients of one client's (gradient, loss) on its padded minibatch."""
+
+        def client_step(p: Params, fz: Params, x: Tensor, y: Tensor, m: Tensor, side: Tensor | None, pd: Params):
+            self._side = side
+            try:
+                if gradient is None:
+
+                    def loss_of(q: Params) -> Tensor:
+                        full = {**fz, **q}
+                        loss = self._masked_loss(module, names, full, x, y, m)
+                        return loss if penalty is None else loss + penalty.fn(full, pd)
+
+                    return grad_and_value(loss_of)(p)
+                g, loss = gradient({**fz, **p}, x, y, m)
+                g = {n: g[n] for n in p}
+                if penalty is not None:
+                    extra = grad(lambda q: penalty.fn({**fz, **q}, pd))(p)
+                    g = {n: g[n] + extra[n] for n in p}
+                return g, loss
+            finally:
+                self._side = None
+
+        def step(p, fz, x, y, m, sides, pd):
+            dims = (0, 0, 0, 0, 0, None if sides is None else 0, 0)
+            return vmap(client_step, in_dims=dims)(p, fz, x, y, m, sides, pd)
+
+        return step
 
     def _sgd_client_by_client(
         self,
@@ -358,11 +666,13 @@ class VectorizedContext:
         penalty: Penalty | None,
         lr: float | None,
         max_steps: int | None,
+        gradient: Gradient | None,
+        bs: int,
+        min_batch: int,
     ) -> Params:
-        """Conv phases (and client optimisers without a batched version): each client in turn with plain autograd
-        in ``channels_last`` (faster than batching per-client conv weights on CPU); same generators, so the same
-        batches as the sequential loop."""
-        results, losses, kept = [], [], []
+        """Each client in turn with ``ClientContext.sgd`` (the reference, on the same generators: the same
+        batches), conv inputs in ``channels_last``; no reads from the device."""
+        results, losses, steps, kept = [], [], [], []
         for k, client in enumerate(self.clients):
             ctx = ClientContext(
                 self.net,
@@ -380,10 +690,33 @@ class VectorizedContext:
                 channels_last=True,
             )
             ctx.optimizer_state = None if self.optimizer_state is None else unstack(self.optimizer_state, k)
-            results.append(ctx.sgd(unstack(params, k), trainable, epochs, penalty, lr, max_steps))
-            losses.append(ctx.train_loss)
+            mine = None if penalty is None else Penalty(penalty.fn, unstack(penalty.data, k))
+            step_gradient = None
+            if gradient is not None:
+                step_gradient = self._client_gradient(gradient, ctx)
+            results.append(
+                ctx.sgd(
+                    unstack(params, k), trainable, epochs, mine, lr, max_steps,
+                    gradient=step_gradient, batch_size=bs, min_batch=min_batch,
+                )
+            )  # fmt: skip
+            losses.append(torch.as_tensor(ctx.train_loss, device=self.device))
+            steps.append(ctx.steps_taken)
             kept.append(ctx.optimizer_state)
-        self.train_loss = torch.tensor(losses, device=self.sizes.device)
+        self.train_loss = torch.stack(losses).to(self.device)
+        self.steps_taken = torch.stack(steps).to(self.device)
         if self.optimizer_state is not None:
             self.optimizer_state = stack(kept)
         return {n: v.contiguous() for n, v in stack(results).items()}
+
+    def _client_gradient(self, gradient: Gradient, ctx: ClientContext) -> Gradient:
+        """A ``Gradient`` written against this context (``self.batch_loss``), run for one client's context."""
+
+        def one(params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+            self._side = ctx.side
+            try:
+                return gradient(params, x, y, mask)
+            finally:
+                self._side = None
+
+        return one

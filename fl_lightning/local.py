@@ -10,7 +10,7 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,32 @@ from torch.nn import functional as F
 from fl_lightning.errors import ConfigError
 
 Params = dict[str, Tensor]
-Penalty = Callable[[Params], Tensor]
+
+
+@dataclass
+class Penalty:
+    """A term added to every minibatch loss: ``fn(params, data)``.
+
+    ``data`` holds the client's constants the term needs (FedProx's and Ditto's anchor w^t, SCAFFOLD's correction
+    c − c_i, Fed-MTL's mean): one client's tensors in a ``ClientContext``, stacked ``[K, ...]`` in the vectorized
+    executor, which hands each client its own slice. ``fn`` must read the client only through ``data``.
+    Calling a penalty, ``penalty(params)``, evaluates it for one client.
+    """
+
+    fn: Callable[[Params, Params], Tensor]
+    data: Params = field(default_factory=dict)
+
+    def __call__(self, params: Params) -> Tensor:
+        return self.fn(params, self.data)
+
+
+#: A penalty as ``sgd`` accepts it: a ``Penalty``, or a plain ``params -> Tensor`` function (one client only: the
+#: vectorized executor can give it no per-client data).
+PenaltyLike = Penalty | Callable[[Params], Tensor]
+#: A custom step direction for ``sgd``: ``(params, x, y, mask) -> (gradients of the trained names, the step's loss)``
+#: for ONE client, written with ``torch.func`` and ``ctx.batch_loss`` so that the vectorized executor can ``vmap``
+#: it (Per-FedAvg's meta-gradient, APFL's two models). ``mask`` marks the real rows of a padded batch.
+Gradient = Callable[[Params, Tensor, Tensor, Tensor], tuple[Params, Tensor]]
 #: A ``torch.optim`` class with its init args, as a config gives it (``{class_path: torch.optim.Adam, init_args:
 #: {lr: 0.001}}``): a function ``params -> Optimizer``. The same type as ``lightning.pytorch.cli.OptimizerCallable``
 #: (spelled out here so that importing the engine does not import jsonargparse).
@@ -163,8 +188,8 @@ def load_state(opt: torch.optim.Optimizer, leaves: Params, kept: Params) -> None
     for group in opt.param_groups:
         scalar_on_cpu = not (group.get("fused") or group.get("capturable"))
         for leaf in group["params"]:
-            name = names[id(leaf)]
-            if int(kept[state_name(STEPS, name)]) == 0:
+            name = names.get(id(leaf))
+            if name is None or int(kept[state_name(STEPS, name)]) == 0:
                 continue
             state = {key: kept[state_name(key, name)].clone() for key in keys}
             for key, value in state.items():
@@ -201,20 +226,64 @@ def loss_fn_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
     return F.cross_entropy
 
 
-def step_limit(budget: float, epochs: int, num_samples: int, batch_size: int, max_steps: int | None) -> int | None:
+def steps_per_epoch(num_samples: int, batch_size: int, min_batch: int = 1) -> int:
+    """Minibatches of an epoch that are stepped on: every full batch, and the last partial one if it has at least
+    ``min_batch`` samples (``min_batch = 1``: ⌈n / batch size⌉)."""
+    rest = num_samples % batch_size
+    return num_samples // batch_size + (1 if rest and rest >= min_batch else 0)
+
+
+def step_limit(
+    budget: float, epochs: int, num_samples: int, batch_size: int, max_steps: int | None, min_batch: int = 1
+) -> int | None:
     """The number of local steps a client may take: ``max_steps``, capped for a straggler with ``budget`` < 1
     at that fraction of its ``epochs`` epochs of minibatches (at least one step)."""
     if budget >= 1.0:
         return max_steps
-    cap = max(1, int(budget * epochs * -(-num_samples // batch_size)))
+    cap = max(1, int(budget * epochs * steps_per_epoch(num_samples, batch_size, min_batch)))
     return cap if max_steps is None else min(max_steps, cap)
+
+
+def per_client(value: Tensor | float, like: Tensor) -> Tensor | float:
+    """A number per client shaped to broadcast against ``like`` (and in its dtype): a plain number or a 0-d tensor
+    (one client) as it is, a ``[K]`` tensor (K stacked clients, ``like`` is ``[K, ...]``) as ``[K, 1, …, 1]``."""
+    if not isinstance(value, Tensor):
+        return value
+    value = value.to(like.dtype)
+    return value if value.dim() == 0 else value.view(-1, *([1] * (like.dim() - 1)))
+
+
+def epoch_draws(
+    n: int, generator: torch.Generator, augment: Callable | None
+) -> tuple[Tensor, Tensor | None]:
+    """One epoch's random draws of a client, made at once on the CPU generator: the shuffle (``randperm``) and,
+    when the augmentation can draw ahead (``augment.draw(n, generator)``), its parameters for all ``n`` samples
+    in shuffled order. Both executors draw exactly these numbers, so a client's batches are a pure function of
+    (seed, round, client) on any device."""
+    perm = torch.randperm(n, generator=generator)
+    return perm, augment.draw(n, generator) if draws_ahead(augment) else None
+
+
+def draws_ahead(augment: Callable | None) -> bool:
+    """Whether an augmentation separates its random draws (``draw``) from applying them (``apply``)."""
+    return augment is not None and hasattr(augment, "draw") and hasattr(augment, "apply")
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A CPU tensor on ``device``; to a GPU through pinned memory without blocking the host (no sync)."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class ClientContext:
     """A client's data, RNG and local optimiser for one round, plus the training phase primitive ``sgd``.
 
     ``generator`` is seeded from ``(seed, round, client)``, so a client's local update does not depend
-    on which process runs it or on what ran before it.
+    on which process runs it or on what ran before it. Nothing here reads a device tensor back to the host:
+    losses are summed on the device, and each epoch's random draws are made at once (``epoch_draws``).
     """
 
     def __init__(
@@ -238,7 +307,10 @@ class ClientContext:
         self.round, self.seed, self.step_budget = round_idx, seed, step_budget
         self.channels_last = channels_last  # conv speed-up used by the vectorized executor; same values
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
-        self.train_loss = 0.0
+        #: the mean minibatch loss of the last ``sgd`` phase (a 0-d tensor on the data's device)
+        self.train_loss: Tensor | float = 0.0
+        #: the minibatch steps the last ``sgd`` phase took (a 0-d tensor)
+        self.steps_taken: Tensor = torch.zeros((), dtype=torch.long)
         #: the client's kept optimiser state (``state_template`` names), or None: a fresh optimiser per phase
         self.optimizer_state: Params | None = None
 
@@ -264,14 +336,24 @@ class ClientContext:
     def loss(self, params: Params, x: Tensor, y: Tensor) -> Tensor:
         return self.loss_fn(self.forward(params, x), y)
 
+    def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The loss of one minibatch for a ``Gradient`` function; ``mask`` is ignored (a client's own batches
+        are never padded; the vectorized executor's are)."""
+        return self.loss(params, x, y)
+
     def batches(self, batch_size: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
-        """One epoch of shuffled minibatches (augmented if the data have an on-device augmentation)."""
+        """One epoch of shuffled minibatches (augmented if the data have an on-device augmentation). The epoch's
+        draws are made when iteration starts, all at once, and moved to the device in one copy."""
         bs = batch_size or self.optimizer.batch_size
-        perm = torch.randperm(self.num_samples, generator=self.generator).to(self.x.device)
+        perm, drawn = epoch_draws(self.num_samples, self.generator, self.augment)
+        perm = to_device(perm, self.x.device)
+        drawn = None if drawn is None else to_device(drawn, self.x.device)
         for i in range(0, self.num_samples, bs):
             idx = perm[i : i + bs]
             x = self.x[idx]
-            if self.augment is not None:
+            if drawn is not None:
+                x = self.augment.apply(x, drawn[i : i + bs])
+            elif self.augment is not None:  # an augmentation that cannot draw ahead draws per batch
                 x = self.augment(x, self.generator)
             if self.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -282,9 +364,13 @@ class ClientContext:
         params: Params,
         trainable: Sequence[str],
         epochs: int,
-        penalty: Penalty | None = None,
+        penalty: PenaltyLike | None = None,
         lr: float | None = None,
         max_steps: int | None = None,
+        *,
+        gradient: Gradient | None = None,
+        batch_size: int | None = None,
+        min_batch: int = 1,
     ) -> Params:
         """Train ``trainable`` for ``epochs`` epochs of minibatches with the client optimiser (momentum SGD unless
         ``model.client_optimizer`` says otherwise); everything else stays frozen.
@@ -292,39 +378,73 @@ class ClientContext:
         A fresh optimiser per phase, so no momentum or weight decay leaks into frozen parameters
         (spec 000 §8.3); with ``optimizer_state`` (kept per client across rounds) each trained parameter
         continues from its own kept state instead. ``penalty(params)`` is added to every minibatch loss
-        (FedProx, Ditto, …); ``lr`` overrides the round's learning rate. Returns a new dict; ``params`` is not
-        modified.
+        (FedProx, Ditto, …); ``lr`` overrides the round's learning rate. ``gradient`` replaces the minibatch
+        loss's gradient by another step direction (Per-FedAvg, APFL); batches of ``batch_size`` (default: the
+        client optimiser's) with fewer than ``min_batch`` samples are skipped. Returns a new dict; ``params`` is
+        not modified. ``train_loss`` and ``steps_taken`` describe the phase.
         """
         out = {n: t.detach().clone() for n, t in params.items()}
         if self.channels_last:
             out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
         if not trainable or epochs <= 0:
             return out
+        if penalty is not None and not isinstance(penalty, Penalty):
+            penalty = Penalty(lambda p, _, fn=penalty: fn(p))
         leaves = {n: out[n].requires_grad_(True) for n in trainable}
         opt = self.optimizer.build(leaves, lr)
-        if self.optimizer_state is not None:
-            load_state(opt, leaves, self.optimizer_state)
-        max_steps = step_limit(self.step_budget, epochs, self.num_samples, self.optimizer.batch_size, max_steps)
-        steps, loss_sum = 0, 0.0
+        kept = None if self.optimizer_state is None else {n: v for n, v in leaves.items() if kept_name(n, self)}
+        if kept:
+            load_state(opt, kept, self.optimizer_state)
+        bs = batch_size or self.optimizer.batch_size
+        limit = step_limit(self.step_budget, epochs, self.num_samples, bs, max_steps, min_batch)
+        steps, loss_sum = 0, torch.zeros((), device=self.x.device)
         for _ in range(epochs):
-            for x, y in self.batches():
-                opt.zero_grad(set_to_none=True)
-                loss = self.loss(out, x, y)
-                if penalty is not None:
-                    loss = loss + penalty(out)
-                loss.backward()
-                opt.step()
-                loss_sum += float(loss.detach())
-                steps += 1
-                if max_steps is not None and steps >= max_steps:
-                    break
-            if max_steps is not None and steps >= max_steps:
+            if limit is not None and steps >= limit:
                 break
+            for x, y in self.batches(bs):
+                if x.shape[0] < min_batch:
+                    continue
+                opt.zero_grad(set_to_none=True)
+                if gradient is None:
+                    loss = self.loss(out, x, y)
+                    if penalty is not None:
+                        loss = loss + penalty(out)
+                    loss.backward()
+                else:
+                    loss = self._set_gradient(gradient, penalty, out, leaves, x, y)
+                opt.step()
+                loss_sum = loss_sum + loss.detach()
+                steps += 1
+                if limit is not None and steps >= limit:
+                    break
         self.train_loss = loss_sum / max(steps, 1)
-        if self.optimizer_state is not None:
-            self.optimizer_state = save_state(opt, leaves, self.optimizer_state, steps)
+        self.steps_taken = torch.tensor(steps)
+        if kept:
+            self.optimizer_state = save_state(opt, kept, self.optimizer_state, steps)
         return {n: t.detach() for n, t in out.items()}
 
+    def _set_gradient(
+        self, gradient: Gradient, penalty: Penalty | None, out: Params, leaves: Params, x: Tensor, y: Tensor
+    ) -> Tensor:
+        """``leaf.grad`` from a custom step direction (plus the penalty's gradient); returns the step's loss."""
+        values = {n: t.detach() for n, t in out.items()}
+        grads, loss = gradient(values, x, y, torch.ones(x.shape[0], device=x.device))
+        if penalty is not None:
+            extra = torch.func.grad(lambda p: penalty({**values, **p}))({n: values[n] for n in leaves})
+            grads = {n: grads[n] + extra[n] for n in leaves}
+        for n, leaf in leaves.items():
+            leaf.grad = grads[n].detach()
+        return loss
+
     @torch.no_grad()
-    def mean_loss(self, params: Params) -> float:
-        return float(self.loss(params, self.x, self.y)) if self.num_samples else 0.0
+    def mean_loss(self, params: Params) -> Tensor:
+        """The loss of ``params`` on all of the client's training data (a 0-d tensor)."""
+        if not self.num_samples:
+            return torch.zeros((), device=self.x.device)
+        return self.loss(params, self.x, self.y).detach()
+
+
+def kept_name(name: str, ctx: ClientContext) -> bool:
+    """Whether the kept optimiser state has an entry for ``name`` (trained names outside the model, like APFL's
+    local model, start fresh every phase)."""
+    return state_name(STEPS, name) in ctx.optimizer_state

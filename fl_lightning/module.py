@@ -3,7 +3,8 @@
 One ``training_step`` is one communication round (manual optimisation), read top to bottom:
 
 1. **sample**: the round loader gives the round index and the cohort (a pure function of ``(seed, round)``);
-   this rank takes its share ``cohort[rank::world]`` and draws which of its clients fail or straggle;
+   this rank takes its share (``aggregation.assign_clients``: balanced by training samples, the same split on
+   every rank) and draws which clients fail or straggle;
 2. **run clients**: the algorithm's ``client_update`` for each of them (``run_clients``: the sequential loop,
    or all at once with the vectorized executor);
 3. **aggregate**: weighted sums of the uploads and the new client-state rows, summed over ranks in one
@@ -83,7 +84,8 @@ class FederatedModule(L.LightningModule):
             rounds), kept so that existing configs work; when set, it overrides the trainer's interval.
         eval_last: also evaluate in each of the last ``eval_last`` rounds; the summary's ``last10`` is the
             mean over the last ``eval_last`` evaluations.
-        finetune: optional "+FT" evaluation at the end of training.
+        finetune: optional "+FT" evaluation at the end of training: the summary keeps the run's own ``final`` and
+            ``last10`` and adds ``final_ft``, so X and X+FT come from one training run.
         client_dropout: simulated faults: probability that a sampled client fails before reporting.
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
@@ -206,6 +208,8 @@ class FederatedModule(L.LightningModule):
                 template.update(state_template(self.client_optimizer, trainable))
             self.bank = ClientStateBank(template, fed.num_clients).to(self.device)
             self.client_scores = PerClientScores(fed.num_clients).to(self.device)
+            # DDP must not broadcast the bank at every forward: every rank keeps it identical (rows are gathered)
+            self._ddp_params_and_buffers_to_ignore = [f"bank.{n}" for n, _ in self.bank.named_buffers()]
         self.loss_fn = loss_fn_for(fed.num_classes)
         self.algorithm.bind_ground_truth(fed.extras)  # population-gradient options (spec 004) read it
         template = self.algorithm.upload_template(glob)
@@ -321,12 +325,13 @@ class FederatedModule(L.LightningModule):
             expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}
             upd = self.algorithm.client_update(ctx, expanded, stack(states) if states[0] else {})
             new_kept = ctx.optimizer_state or {}
-            return [
+            return [  # views of the stacked results: sizes from the host, losses stay on the device
                 ClientUpdate(
                     unstack(upd.upload, k),
                     {**unstack(upd.state, k), **unstack(new_kept, k)},
-                    int(upd.num_samples[k]),
-                    float(upd.loss[k]),
+                    ctx.num_samples[k],
+                    upd.loss[k],
+                    {name: v[k] for name, v in upd.metrics.items()},
                 )
                 for k in range(len(clients))
             ]
@@ -340,11 +345,11 @@ class FederatedModule(L.LightningModule):
             updates.append(upd)
         return updates
 
-    def simulate_faults(self, round_idx: int, cohort: Tensor, mine: list[int]) -> tuple[set[int], set[int]]:
+    def simulate_faults(self, round_idx: int, cohort: list[int], mine: list[int]) -> tuple[set[int], set[int]]:
         """(failed, slow): the positions in ``mine`` whose client fails / straggles this round (seeded coins)."""
 
         def coin(tag: str, j: int) -> float:
-            return float(torch.rand(1, generator=make_generator(self.fed.seed, tag, round_idx, int(cohort[j]))))
+            return float(torch.rand(1, generator=make_generator(self.fed.seed, tag, round_idx, cohort[j])))
 
         failed = {j for j in mine if self.client_dropout and coin("dropout", j) < self.client_dropout}
         slow = {j for j in mine if self.stragglers and coin("straggler", j) < self.stragglers}
@@ -357,16 +362,18 @@ class FederatedModule(L.LightningModule):
         round_idx, cohort = self._check_round(batch)
         glob = self.global_params()
         template = self.algorithm.upload_template(glob)
-        cohort_states = self.bank.gather(cohort)
-        mine = list(range(self.global_rank, len(cohort), self.trainer.world_size))
-        failed, slow = self.simulate_faults(round_idx, cohort, mine)
-        active = [j for j in mine if j not in failed]
+        cohort_states = self.bank.gather(batch["clients"].to(self.device))
+        # each rank's clients, balanced by training samples; which of them report (the same on every rank)
+        layout = aggregation.assign_clients(self.fed.train.host_sizes(cohort), self.trainer.world_size)
+        failed, slow = self.simulate_faults(round_idx, cohort, list(range(len(cohort))))
+        reporting = [[j for j in part if j not in failed] for part in layout]
+        mine, active = layout[self.global_rank], reporting[self.global_rank]
         self.ledger.new_round(round_idx)
         self.ledger.download(self.algorithm.download_template(glob), len(cohort))
 
         # run clients: each active client's local update from the global model and its own state
         updates = self.run_clients(
-            [int(cohort[j]) for j in active],
+            [cohort[j] for j in active],
             round_idx,
             glob,
             [{n: v[j] for n, v in cohort_states.items()} for j in active],
@@ -374,23 +381,22 @@ class FederatedModule(L.LightningModule):
         )
 
         # aggregate: this rank's weighted sums and state rows, then one sum over ranks
-        stats = RoundStats(dropped=len(failed), stragglers=len(slow - failed))
+        stats = RoundStats(dropped=len(failed.intersection(mine)), stragglers=len((slow - failed).intersection(mine)))
         mine_sums = aggregation.collect(
             round_idx, cohort, mine, active, updates, glob, template, cohort_states,
             self.ledger, self.aggregation, stats, type(self.algorithm).__name__,
         )  # fmt: skip
-        cohort_sums = mine_sums.all_reduce(self.trainer.strategy, self.device)
+        cohort_sums = mine_sums.all_reduce(self.trainer.strategy, self.device, reporting)
 
         # scatter state, server step, log
-        if cohort_sums.state_rows:
-            self.bank.scatter(cohort, cohort_sums.state_rows)
+        aggregation.scatter_state(self.bank, cohort, cohort_sums)
         self._server_step(template, cohort_sums, round_idx, len(cohort))
         self.rounds_trained = round_idx + 1
         self._log_round(round_idx, cohort_sums.stats)
         self.round_optimizers.step_schedules()  # next round's server and client learning rates (stays last)
 
-    def _check_round(self, batch: dict[str, Tensor]) -> tuple[int, Tensor]:
-        round_idx, cohort = int(batch["round"]), batch["clients"].to(self.device)
+    def _check_round(self, batch: dict[str, Tensor]) -> tuple[int, list[int]]:
+        round_idx, cohort = int(batch["round"]), batch["clients"].tolist()  # the cohort as host ids, read once
         if round_idx != self.global_step:
             raise RuntimeError(f"round loader is at round {round_idx} but trainer.global_step is {self.global_step}")
         return round_idx, cohort
@@ -426,7 +432,7 @@ class FederatedModule(L.LightningModule):
 
     def _check_finite(self, backup: Params, round_idx: int) -> None:
         """Stop with a one-line error if the global model turned non-finite, after saving the last good state."""
-        if all(torch.isfinite(p).all() for p in self.net.parameters()):
+        if bool(torch.stack([torch.isfinite(p).all() for p in self.net.parameters()]).all()):  # one read
             return
         with torch.no_grad():
             for n, p in self.net.named_parameters():
@@ -579,7 +585,7 @@ class FederatedModule(L.LightningModule):
         lower_is_better = self.fed.num_classes is None
         values = [h[key] for h in self.history]
         summary = {
-            "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
+            "algorithm": type(self.algorithm).__name__,
             "rounds": self.rounds_trained,
             "final": last.get(key, float("nan")),
             "last10": sum(h[key] for h in recent) / max(len(recent), 1),
@@ -596,7 +602,9 @@ class FederatedModule(L.LightningModule):
                 summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
         self.final_clients = self.last_evaluation
         if "final/acc_ft" in end:
-            summary["final"] = summary["last10"] = end["final/acc_ft"]
+            # X+FT is an evaluation of the same run: the fine-tuned result leads, the plain one stays beside it
+            summary["plain_final"], summary["plain_last10"] = summary["final"], summary["last10"]
+            summary["final"] = summary["last10"] = summary["final_ft"] = end["final/acc_ft"]
             self.final_clients = self.finetuned_clients
         if self.final_clients is not None and self.final_clients.round == self.rounds_trained - 1:
             summary.update(

@@ -6,20 +6,23 @@ v ← v − η∇_v f_i(αv + (1−α)w; ξ), both at the pre-step (w, v). After
 w. Its personal model is αv_i + (1−α)w, with the current global w. α = 0.25 (spec 000 §2.4; the α of the
 two most heterogeneous CIFAR columns is not stated).
 
-Both steps use the run's local SGD (momentum, weight decay, ``decay_bias``); a straggler stops both after its
-share of the minibatch steps. Privacy: w's steps never read v, so the upload does not depend on v_i (bit for
-bit); v_i is declared state (``v.``). Frozen parameters are neither uploaded nor copied into v_i.
+Both steps are one step of the client optimiser (the run's local SGD: momentum, weight decay, ``decay_bias``)
+over w and v together, whose step direction (``gradients``) is (∇_w f(w), ∇_v f(αv + (1−α)w)) on the same
+minibatch; a straggler stops both after its share of the minibatch steps. Written as a ``Gradient`` for
+``ctx.sgd``, it runs in both executors. Privacy: w's steps never read v, so the upload does not depend on v_i (bit
+for bit); v_i is declared state (``v.``). Frozen parameters are neither uploaded nor copied into v_i.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
-import torch
+from torch import Tensor
+from torch.func import grad, grad_and_value
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate, local_optimizer
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params, step_limit
+from fl_lightning.local import ClientContext, Gradient, Params
 
 LOCAL = "v."
 
@@ -30,6 +33,7 @@ def mix(alpha: float, v: Params, w: Params) -> Params:
 
 
 class APFL(Algorithm):
+    vectorizable = True  # ctx.sgd with a Gradient and dict operations
     state_prefixes = (LOCAL,)
     reveals = "the local SGD update of the global model w on the client's data; nothing of its local model v_i"
 
@@ -48,36 +52,31 @@ class APFL(Algorithm):
     def client_model(self, global_params: Params, state: Params) -> Params:
         return mix(self.alpha, self.local_model(global_params, state), global_params)
 
+    def gradients(self, ctx: ClientContext, names: Sequence[str]) -> Gradient:
+        """One minibatch's step direction for (w, v), both at the pre-step values: ∇_w f(w) and
+        ∇_v f(αv + (1−α)w) (w held fixed in the mixture); the step's loss is the mixed model's."""
+
+        def gradient(params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+            w = {n: t for n, t in params.items() if not n.startswith(LOCAL)}
+            v = {n[len(LOCAL) :]: t for n, t in params.items() if n.startswith(LOCAL)}
+            g_w = grad(lambda q: ctx.batch_loss({**w, **q}, x, y, mask))({n: w[n] for n in names})
+            g_v, mixed_loss = grad_and_value(lambda q: ctx.batch_loss(mix(self.alpha, {**v, **q}, w), x, y, mask))(
+                {n: v[n] for n in names}
+            )
+            return {**g_w, **{LOCAL + n: g for n, g in g_v.items()}}, mixed_loss
+
+        return gradient
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         names = ctx.param_names
-        w = {n: t.detach().clone() for n, t in global_params.items()}
-        v = {n: t.detach().clone() for n, t in self.local_model(global_params, state).items()}
-        for n in names:
-            w[n].requires_grad_(True)
-            v[n].requires_grad_(True)
-        opts = [local_optimizer(ctx, {n: d[n] for n in names}) for d in (w, v)]
-        per_epoch = math.ceil(ctx.num_samples / ctx.optimizer.batch_size)
-        budget = step_limit(ctx.step_budget, self.local_epochs, ctx.num_samples, ctx.optimizer.batch_size, None)
-        total = self.local_epochs * per_epoch if budget is None else min(budget, self.local_epochs * per_epoch)
-        steps, loss_sum = 0, 0.0
-        for _ in range(self.local_epochs):
-            for x, y in ctx.batches():
-                if steps >= total:
-                    break
-                grads_w = torch.autograd.grad(ctx.loss(w, x, y), [w[n] for n in names])
-                mixed_loss = ctx.loss(mix(self.alpha, v, {n: t.detach() for n, t in w.items()}), x, y)
-                grads_v = torch.autograd.grad(mixed_loss, [v[n] for n in names])
-                for d, grads in ((w, grads_w), (v, grads_v)):
-                    for n, g in zip(names, grads):
-                        d[n].grad = g
-                for opt in opts:
-                    opt.step()
-                loss_sum += float(mixed_loss.detach())
-                steps += 1
-        ctx.train_loss = loss_sum / max(steps, 1)
+        local = self.local_model(global_params, state)
+        params = {**global_params, **{LOCAL + n: t for n, t in local.items()}}
+        trained = [*names, *(LOCAL + n for n in names)]
+        out = ctx.sgd(params, trained, self.local_epochs, gradient=self.gradients(ctx, names))
+        w = {n: out[n] for n in global_params}
         return ClientUpdate(
-            upload={n: w[n].detach() for n in self.trained_names(w)},
-            state={LOCAL + n: t.detach() for n, t in v.items()},
+            upload={n: w[n] for n in self.trained_names(w)},
+            state={LOCAL + n: out[LOCAL + n] for n in local},
             num_samples=ctx.num_samples,
             loss=ctx.train_loss,
         )

@@ -16,12 +16,13 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.local import ClientContext, Params, Penalty
 
 PERSONAL = "v."
 
 
 class Ditto(Algorithm):
+    vectorizable = True  # ctx.sgd with a Penalty and dict operations
     state_prefixes = (PERSONAL,)
     reveals = "the FedAvg update of the global model on the client's data; nothing of its personal model v_i"
 
@@ -38,16 +39,21 @@ class Ditto(Algorithm):
     def client_model(self, global_params: Params, state: Params) -> Params:
         return {n: state.get(PERSONAL + n, t) for n, t in global_params.items()}
 
+    def proximal(self, params: Params, anchor: Params) -> Tensor:
+        """λ/2‖v − w^t‖² over the trained parameters."""
+        return 0.5 * self.lam * sum(((params[n] - anchor[n]) ** 2).sum() for n in anchor)
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         w = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs)
         w = {n: w[n] for n in self.trained_names(w)}
         global_loss = ctx.train_loss
         anchor = {n: global_params[n].detach() for n in ctx.param_names}
-
-        def proximal(params: Params) -> Tensor:
-            return 0.5 * self.lam * sum(((params[n] - anchor[n]) ** 2).sum() for n in anchor)
-
-        v = ctx.sgd(self.client_model(global_params, state), ctx.param_names, self.personal_epochs, penalty=proximal)
+        v = ctx.sgd(
+            self.client_model(global_params, state),
+            ctx.param_names,
+            self.personal_epochs,
+            penalty=Penalty(self.proximal, anchor),
+        )
         return ClientUpdate(
             upload=w,
             state={PERSONAL + n: v[n] for n in self.trained_names(v)},

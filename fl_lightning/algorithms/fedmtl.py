@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.local import ClientContext, Params, Penalty
 
 LOCAL = "w."
 DELTA = "delta_w."
@@ -41,6 +41,7 @@ def code_scale(dim: int) -> float:
 
 
 class FedMTL(Algorithm):
+    vectorizable = True  # ctx.sgd with a Penalty and dict operations
     state_prefixes = (LOCAL,)
     reveals = "Δw_i, the change of the client's personal model w_i over its local epochs (a function of w_i)"
     state_dependent_uploads = (DELTA,)
@@ -72,11 +73,12 @@ class FedMTL(Algorithm):
     def client_model(self, global_params: Params, state: Params) -> Params:
         return {n: state.get(LOCAL + n, t) for n, t in global_params.items()}
 
-    def regulariser(self, mean: Params, names: list[str]):
-        def penalty(params: Params) -> Tensor:
-            return self.scale * sum((params[n] ** 2).sum() + ((params[n] - mean[n]) ** 2).sum() for n in names)
+    def penalty(self, params: Params, mean: Params) -> Tensor:
+        """s·(‖w‖² + ‖w − w̄‖²): the regulariser's terms in the client's column (same gradient, w̄ fixed)."""
+        return self.scale * sum((params[n] ** 2).sum() + ((params[n] - mean[n]) ** 2).sum() for n in mean)
 
-        return penalty
+    def regulariser(self, mean: Params, names: list[str]) -> Penalty:
+        return Penalty(self.penalty, {n: mean[n] for n in names})
 
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         w = self.client_model(global_params, state)

@@ -39,6 +39,7 @@ DELTA = "delta_x."
 
 
 class L2GD(Algorithm):
+    vectorizable = True  # ctx.sgd, ctx.mean_loss and dict operations
     state_prefixes = (LOCAL,)
     reveals = (
         "Δx_i, the change of the client's personal model x_i (an aggregation round's ηλ(x̄ − x_i) gives x_i itself)"

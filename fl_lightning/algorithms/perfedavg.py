@@ -12,6 +12,9 @@ batch are D, the rest D'; a last batch with no target sample is skipped. A strag
 the meta-steps. The first-order variant drops the bracket. α = ``inner_lr`` = 1e-4. The client uploads w (FedAvg
 aggregation; frozen parameters are not uploaded); Per-FedAvg keeps no client state.
 
+The meta-step is a ``Gradient`` for ``ctx.sgd`` (batches of 8 + 2, those without a target sample skipped), so
+both executors run it; the logged training loss is the meta-objective f(w̃; D') at each step.
+
 Evaluation adapts the meta-model first: ``adapt_steps`` full-batch gradient steps of size ``adapt_lr``
 (default α) on the client's training data, w_i = w − α∇f_i(w) for one step (Fallah et al. eq. 3). The paper's
 value is that default: spec 000 does not state the evaluation step (§2.4 [NS]).
@@ -19,14 +22,19 @@ value is that default: spec 000 does not state the evaluation step (§2.4 [NS]).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate, local_optimizer
+import torch
+from torch import Tensor
+from torch.func import grad, grad_and_value
+
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.local import ClientContext, Gradient, Params
 
 
 class PerFedAvg(Algorithm):
+    vectorizable = True  # ctx.sgd with a Gradient and dict operations
     reveals = "the meta-model after local meta-steps on the client's data; no client state exists"
 
     def __init__(
@@ -55,46 +63,47 @@ class PerFedAvg(Algorithm):
         return dict(zip(names, grads))
 
     def meta_gradient(self, ctx: ClientContext, w: Params, names: list[str], support, target) -> dict:
-        """The HF (or first-order) Per-FedAvg gradient at w for one (D, D') pair."""
-        (xs, ys), (xt, yt) = support, target
-        g_in = self.grad(ctx, w, names, xs, ys)
-        adapted = {**w, **{n: w[n] - self.inner_lr * g_in[n] for n in names}}
-        g_out = self.grad(ctx, adapted, names, xt, yt)
-        if self.first_order:
-            return g_out
-        d = self.hvp_delta
-        plus = self.grad(ctx, {**w, **{n: w[n] + d * g_out[n] for n in names}}, names, xs, ys)
-        minus = self.grad(ctx, {**w, **{n: w[n] - d * g_out[n] for n in names}}, names, xs, ys)
-        return {n: g_out[n] - self.inner_lr * (plus[n] - minus[n]) / (2 * d) for n in names}
+        """The HF (or first-order) Per-FedAvg gradient at w for one (D, D') pair of ``(x, y)`` batches."""
+        return self.meta_step(ctx, w, names, (*support, None), (*target, None))[0]
 
-    def meta_steps(self, ctx: ClientContext) -> int:
-        """Meta-steps the client may take: one per batch with a target sample, capped for a straggler."""
-        size, n = self.support + self.target, ctx.num_samples
-        per_epoch = n // size + (1 if n % size > self.support else 0)
-        total = self.local_epochs * per_epoch
-        if ctx.step_budget >= 1.0:
-            return total
-        return min(total, max(1, int(ctx.step_budget * total)))
+    def meta_step(self, ctx: ClientContext, w: Params, names: Sequence[str], support, target) -> tuple[Params, Tensor]:
+        """(the meta-gradient at w, f(w̃; D')) for ``(x, y, mask)`` batches D and D' (``mask``: real rows)."""
+
+        def loss_on(batch):
+            x, y, mask = batch
+            return lambda q: ctx.batch_loss({**w, **q}, x, y, mask)
+
+        theta = {n: w[n] for n in names}
+        g_in = grad(loss_on(support))(theta)
+        g_out, loss = grad_and_value(loss_on(target))({n: theta[n] - self.inner_lr * g_in[n] for n in names})
+        if self.first_order:
+            return g_out, loss
+        d = self.hvp_delta
+        plus = grad(loss_on(support))({n: theta[n] + d * g_out[n] for n in names})
+        minus = grad(loss_on(support))({n: theta[n] - d * g_out[n] for n in names})
+        return {n: g_out[n] - self.inner_lr * (plus[n] - minus[n]) / (2 * d) for n in names}, loss
+
+    def meta_gradients(self, ctx: ClientContext, names: Sequence[str]) -> Gradient:
+        """A batch of ``support + target`` samples → the meta-step on D = its first ``support`` rows, D' = the rest."""
+        s = self.support
+
+        def gradient(params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
+            return self.meta_step(ctx, params, names, (x[:s], y[:s], mask[:s]), (x[s:], y[s:], mask[s:]))
+
+        return gradient
 
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         names = ctx.param_names
-        w = {n: t.detach().clone().requires_grad_(n in names) for n, t in global_params.items()}
-        opt = local_optimizer(ctx, {n: w[n] for n in names})
-        size, steps, loss_sum, total = self.support + self.target, 0, 0.0, self.meta_steps(ctx)
-        for _ in range(self.local_epochs):
-            for x, y in ctx.batches(size):
-                if x.shape[0] <= self.support or steps >= total:
-                    continue
-                s, t = (x[: self.support], y[: self.support]), (x[self.support :], y[self.support :])
-                grads = self.meta_gradient(ctx, w, names, s, t)
-                for n in names:
-                    w[n].grad = grads[n]
-                with torch.no_grad():
-                    opt.step()
-                loss_sum += float(ctx.loss(w, *t).detach())
-                steps += 1
-        ctx.train_loss = loss_sum / max(steps, 1)
-        upload = {n: w[n].detach() for n in self.trained_names(w)}
+        size = self.support + self.target
+        w = ctx.sgd(
+            dict(global_params),
+            names,
+            self.local_epochs,
+            gradient=self.meta_gradients(ctx, names),
+            batch_size=size,
+            min_batch=self.support + 1,
+        )
+        upload = {n: w[n] for n in self.trained_names(w)}
         return ClientUpdate(upload, {}, ctx.num_samples, loss=ctx.train_loss)
 
     def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:

@@ -20,13 +20,11 @@ Privacy: both uploads are computed with the client's c_i (y is trained on g − 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.local import ClientContext, Params, step_limit
+from fl_lightning.local import ClientContext, Params, Penalty, per_client
 
 DELTA = "delta_c."
 STATE = "c_i."
@@ -36,15 +34,8 @@ def _key(name: str) -> str:
     return "c__" + name.replace(".", "__")
 
 
-def local_steps(ctx: ClientContext, epochs: int) -> int:
-    """K: the minibatch steps ``ctx.sgd`` takes in ``epochs`` epochs (capped for a straggler)."""
-    bs = ctx.optimizer.batch_size
-    full = epochs * math.ceil(ctx.num_samples / bs)
-    cap = step_limit(ctx.step_budget, epochs, ctx.num_samples, bs, None)
-    return full if cap is None else min(full, cap)
-
-
 class SCAFFOLD(Algorithm):
+    vectorizable = True  # ctx.sgd with a Penalty, per-client step counts and dict operations
     state_prefixes = (STATE,)
     reveals = "the model delta and Δc_i, both computed with the client's control variate c_i (not c_i itself)"
     state_dependent_uploads = ("",)
@@ -82,22 +73,25 @@ class SCAFFOLD(Algorithm):
         return dict(global_params)
 
     # client and server math -----------------------------------------------------------------------------
+    @staticmethod
+    def drift(params: Params, correction: Params) -> Tensor:
+        """⟨y, c − c_i⟩: its gradient c − c_i turns g_i(y) into the corrected g_i(y) − c_i + c."""
+        return sum((params[n] * correction[n]).sum() for n in correction)
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         c = self.server_variate()
         trained = [n for n in ctx.param_names if n in c]  # buffers keep c_i = c = 0
         correction = {n: (c[n] - state[STATE + n]).detach() for n in trained}
-
-        def drift(params: Params) -> Tensor:
-            return sum((params[n] * correction[n]).sum() for n in trained)
-
+        drift = Penalty(self.drift, correction)
         params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=drift)
-        steps = local_steps(ctx, self.local_epochs)
+        steps = ctx.steps_taken  # K: the steps this client took (a straggler's capped count; one per client)
         new_state, upload = {}, {n: params[n] for n in self.trained_names(params)}
         for n in self.names:
             c_i = state[STATE + n]
             c_new = c_i
-            if steps and n in correction:
-                c_new = c_i - c[n] + (global_params[n] - params[n]) / (steps * ctx.optimizer.lr)
+            if n in correction:  # c_i⁺ = c_i − c + (x − y)/(K·η); a client that took no step keeps c_i
+                mean_step = (global_params[n] - params[n]) / (per_client(steps.clamp(min=1), c_i) * ctx.optimizer.lr)
+                c_new = c_i + per_client(steps > 0, c_i) * (mean_step - c[n])
             new_state[STATE + n] = c_new
             upload[DELTA + n] = c_new - c_i
         return ClientUpdate(upload, new_state, ctx.num_samples, loss=ctx.train_loss)
