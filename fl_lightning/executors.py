@@ -41,6 +41,7 @@ from fl_lightning.local import (
     state_name,
     step_limit,
 )
+from fl_lightning.stacked_mlp import loss_kind, stacked_forward, stacked_value_and_grad
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
 log = logging.getLogger("fl_lightning")
@@ -320,6 +321,8 @@ class VectorizedContext:
             return loss
 
         value_and_grad = torch.func.grad_and_value(client_loss)
+        fast = stacked_forward(module) if penalty is None else None  # batched matmuls instead of vmap (stacked_mlp)
+        kind = loss_kind(self.per_sample_loss) if fast is not None else None
         for _ in range(epochs):
             remaining = (limits_t - steps).clamp(min=0).tolist()
             if max(remaining) <= 0:
@@ -331,7 +334,12 @@ class VectorizedContext:
                     continue
                 safe_mask = mask_all[:, b].clone()
                 safe_mask[~active, 0] = 1.0  # inactive clients compute a throwaway loss (masked below)
-                grads, losses = vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
+                step = None if fast is None else stacked_value_and_grad(
+                    fast, self.per_sample_loss, names, train, frozen, xb_all[:, b], yb_all[:, b], safe_mask, kind
+                )
+                if step is None:
+                    fast, step = None, vmap(value_and_grad)(train, frozen, xb_all[:, b], yb_all[:, b], safe_mask)
+                grads, losses = step
                 for n, g in grads.items():
                     decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
                     new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)

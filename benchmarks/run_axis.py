@@ -1,0 +1,160 @@
+"""Batched runs (the run axis) against the same runs one after another, measured in the same process.
+
+``python -m benchmarks.run_axis [--quick] [--rounds N] [--seeds 5] [--workloads digits_fedrep mixed_regression]``
+
+* ``digits_fedrep``: FedRep on the quickstart split (``configs/quickstart.yaml``: 20 digits clients, 4 per round,
+  10 head + 1 body epochs, batch 10, DigitsMLP), ``--seeds`` seeds. Reference: the seeds' ``train.py`` runs one
+  after another in this process (``fl_lightning.cli.train_config``), with the config's executor (sequential) and
+  with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.run_axis``). Each
+  seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
+* ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after
+  another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number.
+
+Times are totals on one CPU thread: wall seconds and the process's CPU seconds (on a shared machine the CPU time
+is the steadier of the two); the speed-up is reference / batched. The table is printed, ``results.json`` written
+(``experiment=run_axis``) and ``results: PATH`` is the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fl_lightning.results import format_table, record, write_results
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+@contextlib.contextmanager
+def quiet():
+    """Runs print their tables; the benchmark prints its own."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def digits_fedrep(args: argparse.Namespace, records: list, rows: list) -> None:
+    from fl_lightning.cli import train_config
+    from fl_lightning.run_axis import BatchedRuns
+    from fl_lightning.run_axis.__main__ import seed_runs
+
+    rounds = 10 if args.quick else args.rounds
+    seeds = list(range(args.seeds))
+    common = ["--trainer.max_steps", str(rounds), "--trainer.enable_progress_bar", "false"]
+    setting = f"digits_fedrep,seeds={len(seeds)},rounds={rounds},threads=1"
+    out = args.out / "digits_fedrep"
+
+    def one_after_another(executor: str) -> list[dict[str, Any]]:
+        summaries = []
+        for s in seeds:
+            extra = [*common, "--seed_everything", str(s), "--model.executor", executor]
+            run_dir = out / f"{executor}" / f"s{s}"
+            _clear(run_dir)
+            summaries.append(train_config([QUICKSTART], extra, run_dir=run_dir))
+        return summaries
+
+    def batched() -> list[dict[str, Any]]:
+        runs = seed_runs(["--config", QUICKSTART, *common, "--run_dir", str(out / "batched")], seeds)
+        for s in seeds:
+            _clear(out / "batched" / f"s{s}")
+        outcomes = BatchedRuns(runs).run()
+        bad = [o for o in outcomes if o.status != "done"]
+        if bad:
+            raise RuntimeError(f"batched run failed: {bad[0].error}")
+        return [o.summary for o in outcomes]
+
+    results = {}
+    for name, fn in (
+        ("sequential", lambda: one_after_another("sequential")),
+        ("vectorized", lambda: one_after_another("vectorized")),
+        ("batched", batched),
+    ):
+        with quiet():
+            results[name] = timed(fn)
+        print(f"  digits_fedrep {name:10s} wall {results[name][1]:7.1f} s  cpu {results[name][2]:7.1f} s", flush=True)
+    batched_summaries, b_wall, b_cpu = results["batched"]
+    for name in ("sequential", "vectorized"):
+        summaries, wall, cpu = results[name]
+        diff = max(
+            max(abs(a["final"] - b["final"]), abs(a["last10"] - b["last10"]))
+            for a, b in zip(summaries, batched_summaries)
+        )
+        rows.append(["digits_fedrep", f"{len(seeds)} {name} runs", wall, cpu, wall / b_wall, cpu / b_cpu, diff])
+        for metric, value in (("wall_s", wall), ("cpu_s", cpu), ("speedup_wall", wall / b_wall),
+                              ("speedup_cpu", cpu / b_cpu), ("max_abs_acc_diff", diff)):  # fmt: skip
+            records.append(record("run_axis", f"{name} x{len(seeds)}", metric, value, setting=setting))
+    rows.append(["digits_fedrep", f"{len(seeds)} runs batched", b_wall, b_cpu, 1.0, 1.0, 0.0])
+    records.append(record("run_axis", f"batched x{len(seeds)}", "wall_s", b_wall, setting=setting))
+    records.append(record("run_axis", f"batched x{len(seeds)}", "cpu_s", b_cpu, setting=setting))
+    for s, (solo, batch) in enumerate(zip(results["sequential"][0], batched_summaries)):
+        records.append(record("run_axis", "sequential", "final_acc", solo["final"], seed=s, setting=setting))
+        records.append(record("run_axis", "batched", "final_acc", batch["final"], seed=s, setting=setting))
+
+
+def mixed_regression(args: argparse.Namespace, records: list, rows: list) -> None:
+    from experiments.mixed_regression import compare_seed_batching
+
+    seeds = 4 if args.quick else 20
+    rounds = 20 if args.quick else args.mr_rounds
+    setting = f"mixed_regression,C1,seeds={seeds},rounds={rounds},threads=1"
+    (loop, l_wall, l_cpu), (batch, b_wall, b_cpu), diff = compare_seed_batching("C1", seeds, rounds, timed)
+    print(f"  mixed_regression loop wall {l_wall:7.1f} s  batched wall {b_wall:7.1f} s", flush=True)
+    rows.append(["mixed_regression", f"{seeds} seeds one after another", l_wall, l_cpu, l_wall / b_wall,
+                 l_cpu / b_cpu, diff])  # fmt: skip
+    rows.append(["mixed_regression", f"{seeds} seeds batched", b_wall, b_cpu, 1.0, 1.0, 0.0])
+    for name, wall, cpu in (("loop", l_wall, l_cpu), ("batched", b_wall, b_cpu)):
+        records.append(record("run_axis", f"mixed_regression {name}", "wall_s", wall, setting=setting))
+        records.append(record("run_axis", f"mixed_regression {name}", "cpu_s", cpu, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "speedup_wall", l_wall / b_wall, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "speedup_cpu", l_cpu / b_cpu, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "max_abs_diff", diff, setting=setting))
+
+
+def _clear(run_dir: Path) -> None:
+    import shutil
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+
+
+WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regression}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_axis", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--rounds", type=int, default=100, help="digits_fedrep rounds (the quickstart's 100)")
+    parser.add_argument("--mr_rounds", type=int, default=400, help="mixed_regression Phase-2 rounds")
+    parser.add_argument("--seeds", type=int, default=5, help="digits_fedrep seeds")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/run_axis"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    torch.set_num_threads(1)
+    records: list = []
+    rows: list = []
+    for name in args.workloads:
+        WORKLOADS[name](args, records, rows)
+    print()
+    print("Batched runs vs the same runs one after another (totals, 1 CPU thread; speed-up = reference / batched)")
+    print(format_table(["workload", "runs", "wall_s", "cpu_s", "speedup_wall", "speedup_cpu", "max_abs_diff"], rows))
+    path = write_results(records, args.out)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
