@@ -181,7 +181,7 @@ def stacked_value_and_grad(
             delta = logp.exp().scatter_add(-1, target, torch.full_like(per, -1.0).unsqueeze(-1))
             delta = delta * weight.unsqueeze(-1)
         else:
-            if out.shape != y.shape:
+            if out.shape != mask.shape or y.shape != mask.shape:
                 return None
             diff = out - y
             per, delta = 0.5 * diff * diff, diff * weight
