@@ -52,13 +52,16 @@ class _Rows:
             self.copies.clear()
         return found
 
-    def on(self, device: torch.device | str) -> Tensor:
-        key = str(device)
+    def on(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+        """The rows on ``device`` (floating rows cast to ``dtype`` if given): one copy per device and dtype."""
+        if "cpu" not in self.copies:
+            self.copies["cpu"] = torch.cat(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
+            self.chunks = [self.copies["cpu"]]
+        base = self.copies["cpu"]
+        dtype = dtype if dtype is not None and base.is_floating_point() else base.dtype
+        key = f"{device}/{dtype}"
         if key not in self.copies:
-            if "cpu" not in self.copies:
-                self.copies["cpu"] = torch.cat(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
-                self.chunks = [self.copies["cpu"]]
-            self.copies[key] = self.copies["cpu"].to(device)
+            self.copies[key] = base.to(device, dtype)
         return self.copies[key]
 
 
@@ -68,20 +71,25 @@ class SharedRowsSplit(ClientSplit):
     ``client(c)`` gathers client ``c``'s rows; ``x`` gathers the whole split (for code that reads it directly).
     """
 
-    def __init__(self, pool: _Rows, rows: Tensor, y: Tensor, ptr: Tensor, device: str = "cpu") -> None:
+    def __init__(
+        self, pool: _Rows, rows: Tensor, y: Tensor, ptr: Tensor, device: str = "cpu", dtype: torch.dtype | None = None
+    ) -> None:
         # ClientSplit's dataclass __init__ would assign ``x``, which is a property here
-        self.pool, self.rows, self.y, self.ptr, self.device = pool, rows, y, ptr, device
+        self.pool, self.rows, self.y, self.ptr, self.device, self.dtype = pool, rows, y, ptr, device, dtype
 
     @property
     def x(self) -> Tensor:  # type: ignore[override]
-        return self.pool.on(self.device)[self.rows]
+        return self.pool.on(self.device, self.dtype)[self.rows]
 
     def client(self, c: int) -> tuple[Tensor, Tensor]:
         lo, hi = int(self.ptr[c]), int(self.ptr[c + 1])
-        return self.pool.on(self.device)[self.rows[lo:hi]], self.y[lo:hi]
+        return self.pool.on(self.device, self.dtype)[self.rows[lo:hi]], self.y[lo:hi]
 
-    def to(self, device: torch.device | str) -> SharedRowsSplit:
-        return SharedRowsSplit(self.pool, self.rows.to(device), self.y.to(device), self.ptr.to(device), str(device))
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SharedRowsSplit:
+        y = self.y.to(device, dtype) if dtype is not None and self.y.is_floating_point() else self.y.to(device)
+        return SharedRowsSplit(
+            self.pool, self.rows.to(device), y, self.ptr.to(device), str(device), dtype if dtype else self.dtype
+        )
 
 
 class RowPool:
