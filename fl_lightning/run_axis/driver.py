@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fl_lightning.errors import ConfigError
+from fl_lightning.run_axis.cohorts import combinable
 from fl_lightning.run_axis.lockstep import Interrupted, Lockstep
 from fl_lightning.run_axis.shared_data import RowPool
 
@@ -186,6 +187,8 @@ class BatchedRuns:
         datamodule.seed = datamodule.resolved_seed  # PL_GLOBAL_SEED is process-wide: the next run's parse resets it
         datamodule.federated = self.pool.share(datamodule.federated)
         module.run_axis = self.lockstep
+        if combinable(module):  # its clients train stacked: it evaluates with the vectorized executor's paths too
+            module.executor = "vectorized"
         self.modules[i] = module
         if self._before_fit is not None:
             self._before_fit(i, cli)
