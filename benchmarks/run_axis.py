@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from fl_lightning.results import format_table, record, write_results
 
@@ -123,6 +124,104 @@ def mixed_regression(args: argparse.Namespace, records: list, rows: list) -> Non
     records.append(record("run_axis", "mixed_regression loop", "max_abs_diff", diff, setting=setting))
 
 
+# ---- the H100 design figure: arithmetic from sizes, not a measurement ------------------------------------------
+
+H100 = {"memory_gb": 80, "tf32_dense_tflops": 495}  # NVIDIA H100 SXM datasheet (dense TF32 tensor throughput)
+ASSUMED = {"sustained_fraction": 0.25, "step_ms": 0.3, "memory_fraction": 0.8, "evaluations": 19}
+#: Table 1's columns (spec 000 §3.2, configs/table1): network, clients, cohort, train/test rows per client, rounds
+COLUMNS = [
+    ("CIFAR-10 100×2", "cifar10", 100, 10, 500, 100, 100, 1),
+    ("CIFAR-10 100×5", "cifar10", 100, 10, 500, 100, 100, 1),
+    ("CIFAR-10 1000×2", "cifar10", 1000, 100, 50, 10, 100, 5),
+    ("CIFAR-100 100×5", "cifar100", 100, 10, 500, 100, 100, 5),
+    ("CIFAR-100 100×20", "cifar100", 100, 10, 500, 100, 100, 5),
+    ("FEMNIST 150×3", "femnist", 150, 15, 133, 15, 200, 5),
+    ("Sent140 183×2", "sent140", 183, 18, 60, 15, 50, 5),
+]
+
+
+def _network(kind: str) -> tuple[Any, Any]:
+    from fl_lightning.models import CifarCNN, FemnistMLP
+    from fl_lightning.models.fedrep import Sent140LSTM
+
+    if kind == "cifar10":
+        return CifarCNN(10), torch.randn(10, 3, 32, 32)
+    if kind == "cifar100":
+        return CifarCNN(100, wide=True), torch.randn(10, 3, 32, 32)
+    if kind == "femnist":
+        return FemnistMLP(10), torch.randn(10, 1, 28, 28)
+    return Sent140LSTM(freeze_embedding=True), torch.randint(0, 10000, (10, 25))
+
+
+def _flops_and_activations(net: Any, x: Tensor) -> tuple[float, float, float, float]:
+    """Per sample: (fwd+bwd FLOPs of the whole net, fwd FLOPs of the body, fwd+bwd FLOPs of the head on
+    features, bytes of every module output) from ``FlopCounterMode`` (LSTMs by 2·4·(in+h)·h per token and
+    direction, which the counter does not see)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    outputs: list[int] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(
+        sum(t.numel() * t.element_size() for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, Tensor))
+    )) for m in net.modules() if not list(m.children())]  # fmt: skip
+    lstm = sum(
+        2 * 4 * (m.input_size + m.hidden_size) * m.hidden_size * x.shape[1] * m.num_layers
+        for m in net.modules() if isinstance(m, torch.nn.LSTM)
+    )  # fmt: skip
+    with FlopCounterMode(display=False) as train:
+        net(x).float().sum().backward()
+    for h in hooks:
+        h.remove()
+    with FlopCounterMode(display=False) as body, torch.no_grad():
+        feats = net.body(x)
+    head_in = feats.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as head:
+        net.head(head_in).sum().backward()
+    n = x.shape[0]
+    return (train.get_total_flops() + 3 * lstm) / n, (body.get_total_flops() + lstm) / n, head.get_total_flops() / n, \
+        sum(outputs) / n  # fmt: skip
+
+
+def design(args: argparse.Namespace, records: list, rows: list) -> None:
+    """FedRep's Table 1 (15 methods × 7 columns × 5 seeds = 525 runs) on one H100, as arithmetic: FLOPs from the
+    networks' own ops, memory from their sizes, and two assumptions (``ASSUMED``): the sustained fraction of the
+    dense TF32 peak and the fixed cost of one stacked local step (kernel launches). Not a measurement."""
+    table = []
+    total_compute = total_steps = 0.0
+    for name, kind, clients, cohort, n, n_test, rounds, body_epochs in COLUMNS:
+        net, x = _network(kind)
+        train, body_fwd, head_train, act_bytes = _flops_and_activations(net, x)
+        trained = [p for p in net.body.parameters() if p.requires_grad]
+        p_body, p_head = sum(p.numel() for p in trained), sum(p.numel() for p in net.head.parameters())
+        per_round = cohort * n * (body_epochs * train + body_fwd + 10 * head_train)
+        evaluation = ASSUMED["evaluations"] * clients * n_test * body_fwd
+        gflop_run = (rounds * per_round + evaluation) / 1e9
+        steps = rounds * (10 + body_epochs) * -(-n // 10)  # sequential local steps of a run (batch 10)
+        # one run inside a stacked step: its cohort's parameters, gradients and momentum (fp32) and the activations
+        # of a batch of 10 kept for the backward pass; plus its bank of personal heads and its global model
+        run_mb = (cohort * (3 * 4 * (p_body + p_head) + 2 * 10 * act_bytes) + 4 * (clients * p_head + 3 * p_body)) / 1e6
+        per_gpu = int(ASSUMED["memory_fraction"] * H100["memory_gb"] * 1e3 / run_mb)
+        compute_s = 75 * gflop_run / (ASSUMED["sustained_fraction"] * H100["tf32_dense_tflops"] * 1e3)
+        step_s = 15 * steps * ASSUMED["step_ms"] / 1e3  # 15 jobs (methods) of 5 seeds each, one after another
+        total_compute += compute_s
+        total_steps += step_s
+        table.append([name, f"{(p_body + p_head) / 1e6:.2f}M", gflop_run, steps, run_mb, per_gpu, compute_s, step_s])
+        setting = f"design,{name}"
+        for metric, value in (("design_gflop_per_run", gflop_run), ("design_steps_per_run", steps),
+                              ("design_mb_per_batched_run", run_mb), ("design_runs_per_h100", per_gpu),
+                              ("design_compute_s_75_runs", compute_s), ("design_step_s_15_jobs", step_s)):  # fmt: skip
+            records.append(record("run_axis", "design", metric, value, setting=setting))
+    print()
+    print("DESIGN, NOT A MEASUREMENT: FedRep's Table 1 on one H100 (80 GB) with 5 seeds per batched job")
+    print(format_table(["column", "params", "GFLOP/run", "steps/run", "MB/run", "runs/H100", "compute_s(75)",
+                        "steps_s(15 jobs)"], table))  # fmt: skip
+    print(
+        f"assumed: {ASSUMED['sustained_fraction']:.0%} of the {H100['tf32_dense_tflops']} TFLOP/s dense TF32 peak "
+        f"sustained, {ASSUMED['step_ms']} ms fixed cost per stacked local step, {ASSUMED['evaluations']} evaluations "
+        f"of every client per run. 525 runs: compute {total_compute:.0f} s, steps one job at a time "
+        f"{total_steps:.0f} s (the 15 jobs of a column overlap on one device when memory allows)"
+    )
+
+
 def _clear(run_dir: Path) -> None:
     import shutil
 
@@ -130,7 +229,7 @@ def _clear(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regression}
+WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regression, "design": design}
 
 
 def main(argv: list[str] | None = None) -> int:
