@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import run_axis
 from datamodules.augment import CropFlip
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.client_data import ClientSplit, FederatedData
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workloads",
         nargs="+",
-        default=["pfllib_cnn", "fedrep_cnn_aug", "digits_fedavg", "scale", "digits_precision"],
+        default=["pfllib_cnn", "fedrep_cnn_aug", "digits_fedavg", "scale", "digits_precision", "run_axis"],
         help="which workloads to run",
     )
     args = parser.parse_args(argv)
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         measure("digits_fedavg", DigitsMLP, digits.federated, lambda: FedAvg(1), 4, all_variants[:2])
     if "digits_precision" in args.workloads:
         precision_rows(args, records)
+    if "run_axis" in args.workloads:  # batched runs vs one after another: benchmarks/run_axis.py, its own results.json
+        run_axis.main(["--out", str(args.out / "run_axis"), *(["--quick"] if args.quick else [])])
 
     scale_rows = {}
     for total in (100, 2000 if args.quick else 10_000) if "scale" in args.workloads else ():

@@ -77,6 +77,11 @@ def digits_fedrep(args: argparse.Namespace, records: list, rows: list) -> None:
             raise RuntimeError(f"batched run failed: {bad[0].error}")
         return [o.summary for o in outcomes]
 
+    with quiet():  # warm-up (imports, first-call costs) outside the timings
+        for executor in ("sequential", "vectorized"):
+            warm = [*common, "--trainer.max_steps", "1", "--model.executor", executor]
+            _clear(out / "warm-up")
+            train_config([QUICKSTART], warm, run_dir=out / "warm-up")
     results = {}
     for name, fn in (
         ("sequential", lambda: one_after_another("sequential")),
