@@ -98,8 +98,12 @@ def test_a_batched_job_resumes_from_its_runs_checkpoints(tmp_path):
         [*args, "--trainer.callbacks+=test_run_axis.CrashAt", f"--trainer.callbacks.round={r}"]
         for args, r in zip(runs, (1, 3))
     ]
-    first = BatchedRuns(crashing).run()
+    logs = [tmp_path / "s0.log", tmp_path / "s1.log"]
+    first = BatchedRuns(crashing, logs=logs).run()
     assert [o.status for o in first] == ["failed", "failed"] and "crash at round" in first[0].error
+    texts = [log.read_text() for log in logs]  # each run's console output in its own log
+    assert "crash at round 1" in texts[0] and "crash at round 3" not in texts[0]
+    assert "crash at round 3" in texts[1] and "crash at round 1" not in texts[1]
     assert not (tmp_path / "job" / "s0" / "summary.json").exists()
     assert (tmp_path / "job" / "s1" / "checkpoints" / "round00003.ckpt").is_file()
     assert not (tmp_path / "job" / "s0" / "checkpoints" / "round00002.ckpt").exists()  # s0 resumes from round 1

@@ -16,7 +16,8 @@ Trains several train.py runs as one batched job (their clients of each round tra
 its own run dir exactly as train.py does.
 
   --seeds S1,S2,...   one run per seed (seed_everything), in <run_dir>/s<seed> (default run_dir: runs/<configs>)
-  --runs FILE.json    a JSON list of train.py argument lists, one per run
+  --runs FILE.json    a JSON list of train.py argument lists, one per run (or of {"args": [...], "name": ...,
+                      "log": PATH} objects: each run's console output then goes to its log)
   --ckpt_path last    resume every run from its last checkpoint (a batched job is its runs' checkpoints)
 """
 
@@ -45,14 +46,21 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     from fl_lightning.cli import _one_line
-    from fl_lightning.run_axis.driver import run_batched
+    from fl_lightning.run_axis.driver import BatchedRuns
 
     try:
+        names = logs = None
         if "--runs" in args:
             path = Path(args[args.index("--runs") + 1])
             runs = json.loads(path.read_text())
+            if isinstance(runs, list) and runs and all(isinstance(r, dict) and "args" in r for r in runs):
+                names = [str(r.get("name", f"run {i}")) for i, r in enumerate(runs)]
+                logs = [r["log"] for r in runs] if all("log" in r for r in runs) else None
+                runs = [r["args"] for r in runs]
             if not isinstance(runs, list) or not all(isinstance(r, list) for r in runs):
-                raise ConfigError(f"--runs {path}: expected a JSON list of argument lists")
+                raise ConfigError(
+                    f"--runs {path}: expected a JSON list of argument lists (or of {{args, name, log}} objects)"
+                )
         elif "--seeds" in args:
             j = args.index("--seeds")
             text = args[j + 1] if j + 1 < len(args) else ""
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_float32_matmul_precision("high")
-        outcomes = run_batched(runs)
+        outcomes = BatchedRuns(runs, names, logs=logs).run()
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fl_lightning.errors import ConfigError
@@ -147,6 +148,7 @@ class BatchedRuns:
         names: Sequence[str] | None = None,
         check: bool = True,
         before_fit: Callable[[int, Any], None] | None = None,
+        logs: Sequence[str | Path] | None = None,
     ) -> None:
         if not arg_lists:
             raise ConfigError("a batched job needs at least one run")
@@ -160,6 +162,8 @@ class BatchedRuns:
         self.outcomes = [RunOutcome(a) for a in self.arg_lists]
         self.modules: list[Any] = [None] * len(self.arg_lists)
         self._before_fit = before_fit
+        self.log_paths = [Path(p) for p in logs] if logs is not None else None  #: each run's console, if given
+        self._files: list[Any] = []
 
     def run(self) -> list[RunOutcome]:
         if self.configs:
@@ -169,9 +173,10 @@ class BatchedRuns:
             for i in range(len(self.arg_lists))
         ]
         self.lockstep.enter(len(threads))
-        for t in threads:
-            t.start()
+        self._files = [open(p, "a", buffering=1) for p in self.log_paths] if self.log_paths else []  # noqa: SIM115
         try:
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive():
                     t.join(0.2)
@@ -179,6 +184,10 @@ class BatchedRuns:
             self.lockstep.stop()
             for t in threads:
                 t.join()
+        finally:
+            self.lockstep.restore_output()
+            for f in self._files:
+                f.close()
         return self.outcomes
 
     def _join(self, i: int, cli: Any) -> None:
@@ -199,6 +208,9 @@ class BatchedRuns:
 
         outcome = self.outcomes[i]
         with self.lockstep.lock:
+            if self._files:
+                self.lockstep.logs[threading.get_ident()] = self._files[i]
+                self.lockstep.activate()
             try:
                 if self.lockstep.stopping:
                     raise Interrupted()

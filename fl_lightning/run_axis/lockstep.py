@@ -10,8 +10,10 @@ on which other runs share its steps: its clients get the same data, generators a
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.local import Params
@@ -36,6 +38,38 @@ class Lockstep:
         self.executor = CohortExecutor()
         self.stopping = False
         self.steps = 0  #: lockstep steps executed (each trains the waiting runs' clients together)
+        self.logs: dict[int, TextIO] = {}  #: thread id → the file its run prints to (``activate``)
+        self._active: TextIO | None = None
+        self._saved: tuple[int, int, TextIO, TextIO] | None = None
+
+    # ---- each run's console output to its own log -------------------------------------------------------------
+    def activate(self) -> None:
+        """Send what the calling run thread prints (Python and C level) to its log, if it has one. Called when a
+        thread starts running or resumes; only one thread runs at a time, so fds 1 and 2 follow the running one."""
+        log = self.logs.get(threading.get_ident())
+        if log is None or log is self._active:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if self._saved is None:
+            self._saved = (os.dup(1), os.dup(2), sys.stdout, sys.stderr)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = log
+        self._active = log
+
+    def restore_output(self) -> None:
+        """The console again (after the last run)."""
+        if self._saved is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        out, err, sys.stdout, sys.stderr = self._saved
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.close(out)
+        os.close(err)
+        self._saved, self._active = None, None
 
     def enter(self, runs: int) -> None:
         self.live += runs
@@ -61,6 +95,7 @@ class Lockstep:
             self.lock.wait()
             if self.stopping and not request.done:
                 raise Interrupted()
+        self.activate()
         if request.error is not None:
             raise request.error
         return request.result
