@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client_data import FederatedData
-from fl_lightning.executors import FEATURE_CHUNK, stack
+from fl_lightning.executors import FEATURE_CHUNK, has_batchnorm, stack
 from fl_lightning.local import Params
 from fl_lightning.metrics import PerClientScores, principal_angle_distance
 
@@ -182,13 +182,15 @@ def evaluate_clients(
 
 
 def shared_body_applies(module: FederatedModule, finetune: FineTune | None) -> bool:
-    """The fast path applies when every client's model is (global body) + (its own head)."""
+    """The fast path applies when every client's model is (global body) + (its own head), and the body has no
+    BatchNorm (whose training-mode statistics depend on how samples are batched, so "+FT" runs client by client)."""
     kind = type(module.algorithm)
     net = module.net
     return (
         module.executor == "vectorized"
         and isinstance(getattr(net, "body", None), nn.Module)
         and getattr(net, "side", None) is None
+        and not has_batchnorm(net)
         and all(p.startswith("head.") for p in module.algorithm.personal)
         and (finetune is None or all(p.startswith("head.") for p in finetune.prefixes))
         and kind.client_model is Algorithm.client_model

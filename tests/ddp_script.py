@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from datamodules import DigitsDataModule, Shards  # noqa: E402
 from fl_lightning import algorithms  # noqa: E402
-from fl_lightning.models import DigitsMLP  # noqa: E402
+from fl_lightning.models import DigitsCNN, DigitsMLP  # noqa: E402
 from fl_lightning.module import FederatedModule  # noqa: E402
 
 
@@ -28,7 +28,13 @@ def candidates() -> dict[str, algorithms.Algorithm]:
     for name, make in {"scaffold": "SCAFFOLD", "ditto": "Ditto"}.items():  # client state beyond heads, if present
         if hasattr(algorithms, make):
             out[name] = getattr(algorithms, make)()
+    # issue 17: per-client BatchNorm layers and statistics (float and integer buffers), FedALA's local model, weights
+    # and counter, FedRoD's personal head
+    out.update(fedbn=algorithms.FedBN(), fedala=algorithms.FedALA(), fedrod=algorithms.FedRoD())
     return out
+
+
+NETWORKS = {"fedbn": lambda: DigitsCNN(batchnorm=True)}  # the others train DigitsMLP
 
 
 def main(devices: int, out_path: str) -> None:
@@ -36,7 +42,7 @@ def main(devices: int, out_path: str) -> None:
     results = {}
     for name, algorithm in candidates().items():
         L.seed_everything(0, verbose=False)
-        module = FederatedModule(algorithm, DigitsMLP(), eval_every=1, batch_size=10)
+        module = FederatedModule(algorithm, NETWORKS.get(name, DigitsMLP)(), eval_every=1, batch_size=10)
         dm = DigitsDataModule(num_clients=20, partition=Shards(2), clients_per_round=5, seed=0)
         trainer = L.Trainer(
             max_steps=3,

@@ -18,7 +18,7 @@ import fl_lightning.algorithms as algorithms
 from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LinearFedRep, LocalOnly
 from fl_lightning.errors import ConfigError
 from fl_lightning.local import ClientContext, ClientOptimizer
-from fl_lightning.models import DigitsMLP, LinearRepresentation
+from fl_lightning.models import DigitsCNN, DigitsMLP, LinearRepresentation
 from fl_lightning.rounds import make_generator
 
 LR, MOMENTUM = 0.05, 0.5
@@ -279,7 +279,12 @@ NEURAL = {
     "FedPer": lambda: FedPer(1),
     "FedRep": lambda: FedRep(2, 1),
     "LocalOnly": lambda: LocalOnly(1),
+    "FedBN": lambda: algorithms.FedBN(),  # on DigitsCNN with BatchNorm (NETWORKS)
+    "FedBABU": lambda: algorithms.FedBABU(),
+    "FedRoD": lambda: algorithms.FedRoD(),
+    "FedALA": lambda: algorithms.FedALA(),
 }
+NETWORKS = {"FedBN": lambda: DigitsCNN(batchnorm=True)}  # others: DigitsMLP(hidden=(16, 8)); both have body.fc1
 CLOSED_FORM = [
     "LinearFedAvg",
     "LinearFedRep",
@@ -318,7 +323,7 @@ def test_a_frozen_layer_stays_frozen_in_every_gradient_algorithm(name):
     from fl_lightning.module import FederatedModule
 
     torch.manual_seed(0)
-    net = DigitsMLP(hidden=(16, 8))
+    net = NETWORKS.get(name, lambda: DigitsMLP(hidden=(16, 8)))()
     net.body.fc1.requires_grad_(False)
     before = params_of(net)
     dm = DigitsDataModule(num_clients=10, partition=Shards(2), clients_per_round=3, seed=0)

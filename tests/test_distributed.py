@@ -28,7 +28,7 @@ def run(devices: int, out: Path) -> dict:
 
 def test_two_cpu_processes_match_one(tmp_path):
     one, two = run(1, tmp_path / "one.pt"), run(2, tmp_path / "two.pt")
-    assert set(one) == set(two) and {"fedavg", "fedrep", "lg_fedavg"} <= set(one)
+    assert set(one) == set(two) and {"fedavg", "fedrep", "lg_fedavg", "fedbn", "fedala", "fedrod"} <= set(one)
     for name in one:
         assert one[name]["world"] == 1 and two[name]["world"] == 2
         for a, b in zip(one[name]["history"], two[name]["history"]):

@@ -48,6 +48,10 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             "FedPer": "fedper",
             "FedRep": "fedrep",
             "LocalOnly": "local",
+            "FedBN": "fedbn",  # issue 17 (methods_a): DigitsCNN with BatchNorm
+            "FedBABU": "fedbabu",
+            "FedRoD": "fedrod",
+            "FedALA": "fedala",
         }.items()
     },
     "LinearFedRep": (["configs/synthetic_fedrep.yaml"], []),
@@ -322,6 +326,10 @@ def test_each_algorithms_personal_split_is_pinned_by_name():
         "OneShotClustering": ("assign",),
         "PowerInitLocalGD": ("U",),
         "AlternatingGD": ("U",),
+        "FedBN": (),  # every BatchNorm layer of the network, found at set-up (tests/test_methods_a.py pins it)
+        "FedBABU": (),
+        "FedRoD": (),  # its personal head is client state (``p_head.``), not a network layer
+        "FedALA": (),  # its local model and weights are client state (``local.``, ``ala_w.``)
     }
     assert set(expected) == set(EXPORTED)
     for name, personal in expected.items():

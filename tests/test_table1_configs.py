@@ -19,8 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = sorted(p.stem for p in (ROOT / "configs" / "table1").glob("*.yaml"))
 
 
+# issue 17's pFL baselines have method configs too, outside FedRep's Table 1 (their tests dry-run them on every column)
+PFL_BASELINES = {"fedbn", "fedbabu", "fedrod", "fedala", "pfedme", "fedproto", "moon", "feddyn"}
+
+
 def test_every_method_and_column_has_a_config():
-    assert sorted(p.stem for p in (ROOT / "configs" / "methods").glob("*.yaml")) == sorted(m for _, m in METHODS)
+    stems = {p.stem for p in (ROOT / "configs" / "methods").glob("*.yaml")}
+    assert sorted(stems - PFL_BASELINES) == sorted(m for _, m in METHODS)
     assert sorted(COLUMNS) == sorted(REAL_COLUMNS)
 
 

@@ -44,3 +44,10 @@ from fl_lightning.algorithms.moment_descent import FedMD  # noqa: E402
 from fl_lightning.algorithms.oneshot_kmeans import OneShotClustering  # noqa: E402
 
 __all__ += ["AlternatingGD", "FedMD", "IFCA", "OneShotClustering", "PowerInitLocalGD"]
+
+from fl_lightning.algorithms.fedala import FedALA  # noqa: E402
+from fl_lightning.algorithms.fedbabu import FedBABU  # noqa: E402
+from fl_lightning.algorithms.fedbn import FedBN  # noqa: E402
+from fl_lightning.algorithms.fedrod import FedRoD  # noqa: E402
+
+__all__ += ["FedALA", "FedBABU", "FedBN", "FedRoD"]  # issue 17's pFL baselines (methods_a)

@@ -87,3 +87,8 @@ def mlp_layers(sizes: list[int], prefix: str = "fc") -> OrderedDict[str, nn.Modu
         layers[f"{prefix}{i}"] = nn.Linear(a, b)
         layers[f"relu{i}"] = nn.ReLU()
     return layers
+
+
+def without_batchnorm(layers: OrderedDict[str, nn.Module]) -> OrderedDict[str, nn.Module]:
+    """``layers`` minus its BatchNorm layers (a network's plain variant; the other names are unchanged)."""
+    return OrderedDict((n, m) for n, m in layers.items() if not isinstance(m, nn.modules.batchnorm._BatchNorm))
