@@ -116,8 +116,14 @@ def mixed_regression(args: argparse.Namespace, records: list, rows: list) -> Non
     seeds = 4 if args.quick else 20
     rounds = 20 if args.quick else args.mr_rounds
     setting = f"mixed_regression,C1,seeds={seeds},rounds={rounds},threads=1"
-    (loop, l_wall, l_cpu), (batch, b_wall, b_cpu), diff = compare_seed_batching("C1", seeds, rounds, timed)
+    with time_parts() as parts:
+        (loop, l_wall, l_cpu), (batch, b_wall, b_cpu), diff = compare_seed_batching("C1", seeds, rounds, timed)
     print(f"  mixed_regression loop wall {l_wall:7.1f} s  batched wall {b_wall:7.1f} s", flush=True)
+    spent = ", ".join(f"{k} {v / seeds:.2f}" for k, v in parts["batched"].items())
+    print(f"  batched job, CPU seconds per seed: {spent} (total {b_cpu / seeds:.2f})")
+    for part, value in parts["batched"].items():
+        records.append(record("run_axis", "mixed_regression batched", f"cpu_s_per_seed:{part}", value / seeds,
+                              setting=setting))  # fmt: skip
     rows.append(["mixed_regression", f"{seeds} seeds one after another", l_wall, l_cpu, l_wall / b_wall,
                  l_cpu / b_cpu, diff])  # fmt: skip
     rows.append(["mixed_regression", f"{seeds} seeds batched", b_wall, b_cpu, 1.0, 1.0, 0.0])
@@ -225,6 +231,45 @@ def design(args: argparse.Namespace, records: list, rows: list) -> None:
         f"of every client per run. 525 runs: compute {total_compute:.0f} s, steps one job at a time "
         f"{total_steps:.0f} s (the 15 jobs of a column overlap on one device when memory allows)"
     )
+
+
+@contextlib.contextmanager
+def time_parts():
+    """CPU seconds spent in the simulation's compute-heavy functions, split by phase (``loop`` / ``batched``)."""
+    import collections
+
+    from experiments import mixed_regression as mr
+
+    names = {"assign_clusters": "assignments", "fedmd_phase1": "Phase 1", "kmeans": "k-means",
+             "local_estimate": "least squares"}  # fmt: skip
+    parts: dict[str, collections.Counter] = {"loop": collections.Counter(), "batched": collections.Counter()}
+    phase = {"now": "loop"}
+    saved = {n: getattr(mr, n) for n in names} | {"run_seeds": mr.run_seeds, "svd": mr.AffineFedX.__init__}
+
+    def wrap(fn, label):
+        def timed_fn(*a, **k):
+            start = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[phase["now"]][label] += time.process_time() - start
+
+        return timed_fn
+
+    def batched(*a, **k):
+        phase["now"] = "batched"
+        return saved["run_seeds"](*a, **k)
+
+    for n, label in names.items():
+        setattr(mr, n, wrap(saved[n], label))
+    mr.AffineFedX.__init__ = wrap(saved["svd"], "client SVDs")
+    mr.run_seeds = batched
+    try:
+        yield parts
+    finally:
+        for n in names:
+            setattr(mr, n, saved[n])
+        mr.AffineFedX.__init__, mr.run_seeds = saved["svd"], saved["run_seeds"]
 
 
 def _clear(run_dir: Path) -> None:
