@@ -9,8 +9,7 @@ variant; CPU: the process's peak RSS so far), host reads per round (``fl_lightni
 stall a GPU) and, on CUDA, the GPU utilisation sampled while the rounds ran. The two executors take turns round by
 round, so that load from other processes on a shared machine slows both alike.
 
-Workloads (``--workloads``; ``benchmarks/run_axis.py`` and any module in ``EXTRA_MODULES`` may register more with
-``@workload(name)``):
+Workloads (``--workloads``; any module in ``EXTRA_MODULES`` may register more with ``@workload(name)``):
 
 * ``pfllib_cnn``: PFLlib's FedAvgCNN on CIFAR-10-shaped random tensors, 100 clients × 500 train / 100 test images,
   10 clients per round, FedRep with 10 head epochs + 1 body epoch, batch 10, SGD lr 0.01, momentum 0.5;
@@ -20,7 +19,9 @@ Workloads (``--workloads``; ``benchmarks/run_axis.py`` and any module in ``EXTRA
 * ``conv_clients``: a body epoch of 10 clients' per-client conv weights, client by client vs ``vmap`` (one grouped
   convolution): the measurement behind ``fl_lightning.executors.CONV_CLIENTS`` on this device;
 * ``digits_fedavg``: FedAvg on the digits quickstart split; ``digits_precision``: bf16 vs fp32 accuracy;
-* ``scale``: FedRep with personal heads on 100 vs 10,000 clients, 100 sampled per round.
+* ``scale``: FedRep with personal heads on 100 vs 10,000 clients, 100 sampled per round;
+* ``run_axis`` (``benchmarks/run_axis.py``): several runs batched vs one after another; it writes
+  its own table and ``results.json`` under ``results/bench/run_axis/``.
 
 It prints a table and writes ``results.json`` (metrics ``train_s_per_round``, ``samples_per_s``, ``speedup``,
 ``peak_mem_mb``, ``host_reads_per_round``, ``gpu_util_pct``, ``eval_s``; the device name in every ``setting``) and
@@ -57,10 +58,11 @@ from fl_lightning.module import FederatedModule
 from fl_lightning.results import bar_chart, format_table, record, write_results
 from fl_lightning.rounds import ClientSampler
 
-#: modules that register more workloads when imported (``benchmarks/run_axis.py``: the run axis, issue 16)
-EXTRA_MODULES = ("benchmarks.run_axis",)
+#: modules that register more workloads when imported
+EXTRA_MODULES: tuple[str, ...] = ()
 DEFAULT_WORKLOADS = [
     "pfllib_cnn", "fedrep_cnn_aug", "fedrep_phases", "conv_clients", "digits_fedavg", "scale", "digits_precision",
+    "run_axis",
 ]  # fmt: skip
 WORKLOADS: dict[str, Callable[[Bench], None]] = {}
 
@@ -447,6 +449,14 @@ def scale(bench: Bench) -> None:
         print(f"  scale ({executor}): {big} clients / 100 clients round time = {ratio:.2f}×")
         where = bench.setting(f"{big}_vs_100_clients")
         bench.records.append(record("bench", executor, "scale_ratio", ratio, setting=where))
+
+
+@workload("run_axis")
+def run_axis(bench: Bench) -> None:
+    """Several runs batched vs one after another (``benchmarks/run_axis.py``; its own table and results.json)."""
+    from benchmarks import run_axis
+
+    run_axis.main(["--out", str(bench.args.out / "run_axis"), *(["--quick"] if bench.args.quick else [])])
 
 
 # ---- main ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Spec 001 App. C: clustered FL for mixed regression, settings C.1–C.3 (or any other) over many seeds.
 
-``python -m experiments mixed_regression [--seeds 20] [--rounds 400] [--settings C1,C2,C3]``
+``python -m experiments mixed_regression [--seeds 20] [--rounds 400] [--settings C1,C2,C3] [--seed_loop]``
 
 Any setting: ``--settings custom --sizes 150x8,30x40 --probs 0.4,0.3,0.2,0.1 --dim 20 --noise 0.1``
 (``--sizes``/``--probs``/``--num_clusters``/``--dim``/``--noise``/``--theta_scale`` also override the presets;
@@ -9,9 +9,10 @@ the same arguments as ``datamodules.MixedRegressionDataModule``, listed in docs/
 Every method runs the math of its engine algorithm (``fl_lightning.algorithms.moment_descent``,
 ``ifca``, ``oneshot_kmeans``) vectorised over all clients of a setting: one call per round for all
 clients instead of one engine step per client, so that 20 seeds × 3 settings × 5 methods fit in
-minutes. ``tests/test_mixed_regression.py`` checks that the engine runs (``train.py``) give the same
-θ as these simulations. The metric is d(θ̂, θ*) (spec 001 eq. (6)); success = final error ≤ 2× the
-oracle's on the same draw (issue 6).
+minutes; the seeds of a setting run as one batched job (``run_seeds``: a leading seed dimension, the same
+numbers as ``run_seed`` one seed after another, which ``--seed_loop`` runs). ``tests/test_mixed_regression.py``
+checks that the engine runs (``train.py``) give the same θ as these simulations. The metric is d(θ̂, θ*)
+(spec 001 eq. (6)); success = final error ≤ 2× the oracle's on the same draw (issue 6).
 
 Hyper-parameters the paper does not give (spec 001 §8), fixed here: s = 5 local GD steps, η = 0.05,
 θ* and θ₀ scale 1/√d, noise σ = 0.2, 10 anchors among clients with ≥ 20 points, T = 5 Phase-1
@@ -21,6 +22,7 @@ iterations with direct SVD, step α/(2β²) = ½, no stop test, anchors grouped 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -264,6 +266,176 @@ def run_seed(
     return out
 
 
+# ---- every seed of a setting as one batched job ------------------------------------------------------------------
+
+
+class SeedsFedX:
+    """``AffineFedX`` for S seeds of one setting at once: the same rounds with a leading seed dimension.
+
+    The seeds share the client sizes, so their client groups stack into ``x [S, B, n, d]``. The clients' SVDs
+    (``AffineFedX.parts``) are computed once per seed and shared by every method's rounds. Each seed's
+    assignment uses ``assign_clusters`` on its own slice and its cluster sums move exactly as ``AffineFedX._move``
+    moves them, so every number equals the seed's own ``AffineFedX`` (``tests/test_mixed_regression.py``); what is
+    batched is the rest of a round: the change bookkeeping, the cluster update and the distance to θ*."""
+
+    def __init__(self, per_seed: list[AffineFedX]) -> None:
+        groups = range(len(per_seed[0].groups))
+        self.x = [torch.stack([f.groups[g][0] for f in per_seed]) for g in groups]
+        self.y = [torch.stack([f.groups[g][1] for f in per_seed]) for g in groups]
+        self.parts = [tuple(torch.stack([f.parts[g][i] for f in per_seed]) for i in range(3)) for g in groups]
+        self.num_seeds = len(per_seed)
+
+    def start(self, k: int) -> None:
+        s, d = self.num_seeds, self.x[0].shape[-1]
+        self.z = [torch.full(x.shape[:2], -1, dtype=torch.long) for x in self.x]
+        self.mat = torch.zeros(s, k, d, d, dtype=self.x[0].dtype)
+        self.vec = torch.zeros(s, k, d, dtype=self.x[0].dtype)
+
+    def _move(self, g: int, s: int, idx: Tensor, sign: float, clusters: Tensor) -> None:
+        basis, wh, wc = (p[s] for p in self.parts[g])
+        for j in clusters.unique().tolist():
+            sel = idx[clusters == j]
+            b = basis[sel]
+            flat = (b * wh[sel].unsqueeze(1)).transpose(0, 1).reshape(b.shape[1], -1)
+            self.mat[s, j] += sign * flat @ b.transpose(0, 1).reshape(b.shape[1], -1).T
+            self.vec[s, j] += sign * wc[sel].sum(0)
+
+    def round(self, theta: Tensor, labels: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """One FedX round of every seed: ``theta [S, k, d]``; ``labels`` (fixed assignments) ``[S, B]`` per group."""
+        for g in range(len(self.x)):
+            if labels is not None:
+                z = labels[g]
+            elif theta.shape[1] == 1:  # one model: every client picks it
+                z = torch.zeros_like(self.z[g])
+            else:
+                z = torch.stack([assign_clusters(self.x[g][s], self.y[g][s], theta[s]) for s in range(len(theta))])
+            changed = z != self.z[g]
+            for s in changed.any(1).nonzero().flatten().tolist():
+                idx = changed[s].nonzero().flatten()
+                old = self.z[g][s, idx]
+                known = old >= 0
+                if known.any():
+                    self._move(g, s, idx[known], -1.0, old[known])
+                self._move(g, s, idx, 1.0, z[s, idx])
+            self.z[g] = z.clone()
+        return theta + torch.einsum("skde,ske->skd", self.mat, theta) + self.vec, list(self.z)
+
+
+def seed_distances(theta: Tensor, theta_star: Tensor) -> list[float]:
+    """``permutation_distance(theta[s], theta_star[s])[0]`` for every seed s at once (the minimax over the
+    assignments of ``cluster_model_distance``, by enumerating them; more than 7 models fall back to the loop)."""
+    dist = torch.cdist(theta.double(), theta_star.double())  # [S, k̂, k]
+    k_hat, k = dist.shape[1:]
+    if k_hat < k:
+        return dist.min(1).values.max(1).values.tolist()
+    if k_hat > 7:
+        return [permutation_distance(a, b)[0] for a, b in zip(theta, theta_star)]
+    maps = torch.tensor(list(itertools.permutations(range(k_hat), k)), dtype=torch.long)  # [P, k]
+    return dist[:, maps, torch.arange(k)].max(-1).values.min(-1).values.tolist()
+
+
+def run_phase2_seeds(
+    fedx: SeedsFedX, theta: Tensor, theta_star: Tensor, rounds: int, labels: list[Tensor] | None = None
+) -> tuple[Tensor, list[list[float]], list[Tensor]]:
+    """``run_phase2`` for every seed: (θ [S, k, d], each seed's curve, last assignments [S, B] per group)."""
+    fedx.start(theta.shape[1])
+    curves: list[list[float]] = [[] for _ in range(len(theta))]
+    chosen: list[Tensor] = []
+    for _ in range(rounds):
+        theta, chosen = fedx.round(theta, labels)
+        for curve, value in zip(curves, seed_distances(theta, theta_star)):
+            curve.append(value)
+    return theta, curves, chosen
+
+
+def run_seeds(
+    setting: str,
+    seeds: list[int],
+    rounds: int,
+    lr: float,
+    steps: int,
+    dim: int = 100,
+    noise: float = 0.2,
+    phase1_iters: int = 5,
+    methods: tuple[str, ...] = METHODS,
+    solver: str = "gd",
+    sizes: list[int] | str | None = None,
+    probs: list[float] | None = None,
+    num_clusters: int | None = None,
+    theta_scale: float | None = None,
+) -> dict[int, dict[str, Any]]:
+    """``{seed: run_seed(setting, seed, …)}`` for all ``seeds`` as one batched job: every method's rounds run for
+    all seeds together (``SeedsFedX``); Phase 1's anchors, one-shot's k-means and the problems are drawn per seed."""
+    sizes, probs = resolve_setting(setting if setting in SETTINGS else None, sizes, probs, num_clusters)
+    k = len(probs)
+    problems = [mixed_regression_problem(sizes, probs, dim, noise, torch.Generator().manual_seed(s), theta_scale)
+                for s in seeds]  # fmt: skip
+    grouped = [client_groups(p) for p in problems]
+    groups, ids = [g for g, _ in grouped], grouped[0][1]
+    theta_star = torch.stack([p["theta_star"] for p in problems])
+    init = torch.stack([ClusteredLinear(k, dim, init_scale=theta_scale, seed=s + 1).theta.detach() for s in seeds])
+    fedx = SeedsFedX([AffineFedX(g, k, lr, steps, solver) for g in groups])
+    total = phase1_iters + rounds
+    out: dict[int, dict[str, Any]] = {s: {} for s in seeds}
+
+    def finish(name: str, theta: Tensor, curves: list[list[float]], chosen: list[Tensor]) -> None:
+        for i, s in enumerate(seeds):
+            assigned = torch.zeros(len(sizes), dtype=torch.long)
+            for g, z in zip(ids, chosen):
+                assigned[g] = z[i]
+            dist, perm = permutation_distance(theta[i], theta_star[i])
+            error = clustering_error(assigned, problems[i]["labels"], perm)
+            out[s][name] = {"curve": curves[i], "final": dist, "cluster_error": error}
+
+    for method in methods:
+        if method in ("ours", "ours_disjoint"):
+            pairing = "all" if method == "ours" else "disjoint"
+            phase1 = [fedmd_phase1(p, g, init[i][0], k, phase1_iters, seed=s, pairing=pairing)
+                      for i, (s, p, g) in enumerate(zip(seeds, problems, groups))]  # fmt: skip
+            pre = [[permutation_distance(c, theta_star[i])[0] for c in h] for i, (_, h, _) in enumerate(phase1)]
+            theta, curves, chosen = run_phase2_seeds(fedx, torch.stack([t for t, _, _ in phase1]), theta_star, rounds)
+            finish(method, theta, [a + b for a, b in zip(pre, curves)], chosen)
+        elif method in ("ifca", "oracle"):
+            start = init if method == "ifca" else theta_star.clone()
+            finish(method, *run_phase2_seeds(fedx, start, theta_star, total))
+        elif method == "fedavg":
+            theta, curves, chosen = run_phase2_seeds(fedx, init[:, :1], theta_star, total)
+            finish(method, theta, curves, [torch.zeros_like(z) for z in chosen])
+        elif method == "oneshot":
+            centres, fixed, first = [], [], []
+            for i, (s, p) in enumerate(zip(seeds, problems)):
+                estimates = torch.stack(
+                    [local_estimate(p["x"][p["ptr"][c] : p["ptr"][c + 1]], p["y"][p["ptr"][c] : p["ptr"][c + 1]])
+                     for c in range(len(sizes))]
+                )  # fmt: skip
+                lab, centre = kmeans(estimates, k, seed=s)
+                centres.append(centre)
+                fixed.append([lab[g] for g in ids])
+                first.append(permutation_distance(centre, theta_star[i])[0])
+            labels = [torch.stack([f[g] for f in fixed]) for g in range(len(ids))]
+            theta, curves, chosen = run_phase2_seeds(fedx, torch.stack(centres), theta_star, total - 1, labels)
+            finish(method, theta, [[a] + c for a, c in zip(first, curves)], chosen)
+    return out
+
+
+def compare_seed_batching(
+    setting: str, seeds: int, rounds: int, timed: Any = None, **kwargs: Any
+) -> tuple[tuple[Any, float, float], tuple[Any, float, float], float]:
+    """``seeds`` seeds of ``setting`` one after another (``run_seed``) and as one batched job (``run_seeds``), each
+    through ``timed(fn) -> (result, wall, cpu)``; returns both and the largest difference of any number."""
+    timed = timed or (lambda fn: (fn(), float("nan"), float("nan")))
+    loop = timed(lambda: {s: run_seed(setting, s, rounds, 0.05, 5, **kwargs) for s in range(seeds)})
+    batch = timed(lambda: run_seeds(setting, list(range(seeds)), rounds, 0.05, 5, **kwargs))
+    diff = 0.0
+    for s, per_method in loop[0].items():
+        for method, ref in per_method.items():
+            got = batch[0][s][method]
+            values = [(got["final"], ref["final"]), (got["cluster_error"], ref["cluster_error"])]
+            values += list(zip(got["curve"], ref["curve"], strict=True))
+            diff = max(diff, *(abs(a - b) for a, b in values))
+    return loop, batch, diff
+
+
 def summarise(results: dict[str, dict[int, dict[str, Any]]]) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     rows, records = [], []
     for setting, per_seed in results.items():
@@ -381,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_steps", type=int, default=5)
     parser.add_argument("--out", default="results/mixed_regression")
     parser.add_argument("--disjoint", action="store_true", help="also run FedMD with disjoint point pairs")
+    parser.add_argument("--seed_loop", action="store_true", help="run the seeds one after another (not batched)")
     parser.add_argument(
         "--engine_check", type=int, default=0, help="also run train.py (FedMD, C1, seed 0) for 11 + this many rounds"
     )
@@ -412,11 +585,12 @@ def main(argv: list[str] | None = None) -> int:
             resolve_setting(name if name in SETTINGS else None, args.sizes, probs, args.num_clusters)
         except ConfigError as exc:
             parser.error(str(exc))
-        results[label] = {
-            s: run_seed(name, s, args.rounds, args.lr, args.local_steps, dim=args.dim, noise=args.noise,
-                        methods=methods, **extra)
-            for s in range(args.seeds)
-        }  # fmt: skip
+        common = dict(dim=args.dim, noise=args.noise, methods=methods, **extra)
+        if args.seed_loop:
+            results[label] = {s: run_seed(name, s, args.rounds, args.lr, args.local_steps, **common)
+                              for s in range(args.seeds)}  # fmt: skip
+        else:  # every seed as one batched job: the same numbers (tests/test_mixed_regression_seeds.py)
+            results[label] = run_seeds(name, list(range(args.seeds)), args.rounds, args.lr, args.local_steps, **common)
         print(f"{label}: {args.seeds} seeds done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows, records = summarise(results)
     print()

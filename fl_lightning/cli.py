@@ -465,9 +465,9 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
         raise ConfigError(f"--ckpt_path {path}: {problem}")
 
 
-def run(args: list[str] | None = None) -> dict[str, Any]:
+def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]:
     """Parse; fit (print the result table, return the run summary) or validate/test a checkpoint (print and
-    return its metrics)."""
+    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.run_axis``)."""
     stage, args = split_subcommand(list(sys.argv[1:] if args is None else args))
     check_config_files(args)
     from jsonargparse import ArgumentError
@@ -504,6 +504,8 @@ def run(args: list[str] | None = None) -> dict[str, Any]:
         check_checkpoint_fits(cli.model, cli.datamodule, ckpt)
     try:
         if stage == "fit":
+            if before_fit is not None:
+                before_fit(cli)
             return _fit(cli, ckpt)
         return _evaluate(cli, stage, ckpt)
     except MisconfigurationException as exc:

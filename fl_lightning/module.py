@@ -174,6 +174,7 @@ class FederatedModule(L.LightningModule):
         self.final_clients: ClientEvaluation | None = None  #: the per-client numbers behind the summary's final
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
+        self.run_axis: Any = None  #: ``fl_lightning.run_axis`` lockstep when this run trains batched with others
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
 
@@ -317,6 +318,8 @@ class FederatedModule(L.LightningModule):
         optimiser state (``keep_client_optimizer_state``) travels in the contexts, not through the algorithm."""
         if not clients:
             return []
+        if self.run_axis is not None:  # batched with other runs of this process (fl_lightning.run_axis)
+            return self.run_axis.run_clients(self, clients, round_idx, glob, states, budgets)
         states, kept = zip(*(split_state(st) for st in states))
         keep = self.keep_client_optimizer_state
         if self.vectorized():

@@ -1,0 +1,310 @@
+"""Batched runs (the run axis) against the same runs one after another, measured in the same process.
+
+``python -m benchmarks.run_axis [--quick] [--rounds N] [--seeds 5] [--workloads digits_fedrep mixed_regression]``
+
+* ``digits_fedrep``: FedRep on the quickstart split (``configs/quickstart.yaml``: 20 digits clients, 4 per round,
+  10 head + 1 body epochs, batch 10, DigitsMLP), ``--seeds`` seeds. Reference: the seeds' ``train.py`` runs one
+  after another in this process (``fl_lightning.cli.train_config``), with the config's executor (sequential) and
+  with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.run_axis``). Each
+  seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
+* ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after
+  another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number.
+
+Times are totals on one CPU thread: wall seconds and the process's CPU seconds (on a shared machine the CPU time
+is the steadier of the two); the speed-up is reference / batched. The table is printed, ``results.json`` written
+(``experiment=run_axis``) and ``results: PATH`` is the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fl_lightning.results import format_table, record, write_results
+
+QUICKSTART = "configs/quickstart.yaml"
+
+
+@contextlib.contextmanager
+def quiet():
+    """Runs print their tables; the benchmark prints its own."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def digits_fedrep(args: argparse.Namespace, records: list, rows: list) -> None:
+    from fl_lightning.cli import train_config
+    from fl_lightning.run_axis import BatchedRuns
+    from fl_lightning.run_axis.__main__ import seed_runs
+
+    rounds = 10 if args.quick else args.rounds
+    seeds = list(range(args.seeds))
+    common = ["--trainer.max_steps", str(rounds), "--trainer.enable_progress_bar", "false"]
+    setting = f"digits_fedrep,seeds={len(seeds)},rounds={rounds},threads=1"
+    out = args.out / "digits_fedrep"
+
+    def one_after_another(executor: str) -> list[dict[str, Any]]:
+        summaries = []
+        for s in seeds:
+            extra = [*common, "--seed_everything", str(s), "--model.executor", executor]
+            run_dir = out / f"{executor}" / f"s{s}"
+            _clear(run_dir)
+            summaries.append(train_config([QUICKSTART], extra, run_dir=run_dir))
+        return summaries
+
+    def batched() -> list[dict[str, Any]]:
+        runs = seed_runs(["--config", QUICKSTART, *common, "--run_dir", str(out / "batched")], seeds)
+        for s in seeds:
+            _clear(out / "batched" / f"s{s}")
+        outcomes = BatchedRuns(runs).run()
+        bad = [o for o in outcomes if o.status != "done"]
+        if bad:
+            raise RuntimeError(f"batched run failed: {bad[0].error}")
+        return [o.summary for o in outcomes]
+
+    with quiet():  # warm-up (imports, first-call costs) outside the timings
+        for executor in ("sequential", "vectorized"):
+            warm = [*common, "--trainer.max_steps", "1", "--model.executor", executor]
+            _clear(out / "warm-up")
+            train_config([QUICKSTART], warm, run_dir=out / "warm-up")
+    results = {}
+    for name, fn in (
+        ("sequential", lambda: one_after_another("sequential")),
+        ("vectorized", lambda: one_after_another("vectorized")),
+        ("batched", batched),
+    ):
+        with quiet():
+            results[name] = timed(fn)
+        print(f"  digits_fedrep {name:10s} wall {results[name][1]:7.1f} s  cpu {results[name][2]:7.1f} s", flush=True)
+    batched_summaries, b_wall, b_cpu = results["batched"]
+    for name in ("sequential", "vectorized"):
+        summaries, wall, cpu = results[name]
+        diff = max(
+            max(abs(a["final"] - b["final"]), abs(a["last10"] - b["last10"]))
+            for a, b in zip(summaries, batched_summaries)
+        )
+        rows.append(["digits_fedrep", f"{len(seeds)} {name} runs", wall, cpu, wall / b_wall, cpu / b_cpu, diff])
+        for metric, value in (("wall_s", wall), ("cpu_s", cpu), ("speedup_wall", wall / b_wall),
+                              ("speedup_cpu", cpu / b_cpu), ("max_abs_acc_diff", diff)):  # fmt: skip
+            records.append(record("run_axis", f"{name} x{len(seeds)}", metric, value, setting=setting))
+    rows.append(["digits_fedrep", f"{len(seeds)} runs batched", b_wall, b_cpu, 1.0, 1.0, 0.0])
+    records.append(record("run_axis", f"batched x{len(seeds)}", "wall_s", b_wall, setting=setting))
+    records.append(record("run_axis", f"batched x{len(seeds)}", "cpu_s", b_cpu, setting=setting))
+    for s, (solo, batch) in enumerate(zip(results["sequential"][0], batched_summaries)):
+        records.append(record("run_axis", "sequential", "final_acc", solo["final"], seed=s, setting=setting))
+        records.append(record("run_axis", "batched", "final_acc", batch["final"], seed=s, setting=setting))
+
+
+def mixed_regression(args: argparse.Namespace, records: list, rows: list) -> None:
+    from experiments.mixed_regression import compare_seed_batching
+
+    seeds = 4 if args.quick else 20
+    rounds = 20 if args.quick else args.mr_rounds
+    setting = f"mixed_regression,C1,seeds={seeds},rounds={rounds},threads=1"
+    with time_parts() as parts:
+        (loop, l_wall, l_cpu), (batch, b_wall, b_cpu), diff = compare_seed_batching("C1", seeds, rounds, timed)
+    print(f"  mixed_regression loop wall {l_wall:7.1f} s  batched wall {b_wall:7.1f} s", flush=True)
+    spent = ", ".join(f"{k} {v / seeds:.2f}" for k, v in parts["batched"].items())
+    print(f"  batched job, CPU seconds per seed: {spent} (total {b_cpu / seeds:.2f})")
+    for part, value in parts["batched"].items():
+        records.append(record("run_axis", "mixed_regression batched", f"cpu_s_per_seed:{part}", value / seeds,
+                              setting=setting))  # fmt: skip
+    rows.append(["mixed_regression", f"{seeds} seeds one after another", l_wall, l_cpu, l_wall / b_wall,
+                 l_cpu / b_cpu, diff])  # fmt: skip
+    rows.append(["mixed_regression", f"{seeds} seeds batched", b_wall, b_cpu, 1.0, 1.0, 0.0])
+    for name, wall, cpu in (("loop", l_wall, l_cpu), ("batched", b_wall, b_cpu)):
+        records.append(record("run_axis", f"mixed_regression {name}", "wall_s", wall, setting=setting))
+        records.append(record("run_axis", f"mixed_regression {name}", "cpu_s", cpu, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "speedup_wall", l_wall / b_wall, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "speedup_cpu", l_cpu / b_cpu, setting=setting))
+    records.append(record("run_axis", "mixed_regression loop", "max_abs_diff", diff, setting=setting))
+
+
+# ---- the H100 design figure: arithmetic from sizes, not a measurement ------------------------------------------
+
+H100 = {"memory_gb": 80, "tf32_dense_tflops": 495}  # NVIDIA H100 SXM datasheet (dense TF32 tensor throughput)
+ASSUMED = {"sustained_fraction": 0.25, "step_ms": 0.3, "memory_fraction": 0.8, "evaluations": 19}
+#: Table 1's columns (spec 000 §3.2, configs/table1): network, clients, cohort, train/test rows per client, rounds
+COLUMNS = [
+    ("CIFAR-10 100×2", "cifar10", 100, 10, 500, 100, 100, 1),
+    ("CIFAR-10 100×5", "cifar10", 100, 10, 500, 100, 100, 1),
+    ("CIFAR-10 1000×2", "cifar10", 1000, 100, 50, 10, 100, 5),
+    ("CIFAR-100 100×5", "cifar100", 100, 10, 500, 100, 100, 5),
+    ("CIFAR-100 100×20", "cifar100", 100, 10, 500, 100, 100, 5),
+    ("FEMNIST 150×3", "femnist", 150, 15, 133, 15, 200, 5),
+    ("Sent140 183×2", "sent140", 183, 18, 60, 15, 50, 5),
+]
+
+
+def _network(kind: str) -> tuple[Any, Any]:
+    from fl_lightning.models import CifarCNN, FemnistMLP
+    from fl_lightning.models.fedrep import Sent140LSTM
+
+    if kind == "cifar10":
+        return CifarCNN(10), torch.randn(10, 3, 32, 32)
+    if kind == "cifar100":
+        return CifarCNN(100, wide=True), torch.randn(10, 3, 32, 32)
+    if kind == "femnist":
+        return FemnistMLP(10), torch.randn(10, 1, 28, 28)
+    return Sent140LSTM(freeze_embedding=True), torch.randint(0, 10000, (10, 25))
+
+
+def _flops_and_activations(net: Any, x: Tensor) -> tuple[float, float, float, float]:
+    """Per sample: (fwd+bwd FLOPs of the whole net, fwd FLOPs of the body, fwd+bwd FLOPs of the head on
+    features, bytes of every module output) from ``FlopCounterMode`` (LSTMs by 2·4·(in+h)·h per token and
+    direction, which the counter does not see)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    outputs: list[int] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(
+        sum(t.numel() * t.element_size() for t in (o if isinstance(o, tuple) else (o,)) if isinstance(t, Tensor))
+    )) for m in net.modules() if not list(m.children())]  # fmt: skip
+    lstm = sum(
+        2 * 4 * (m.input_size + m.hidden_size) * m.hidden_size * x.shape[1] * m.num_layers
+        for m in net.modules() if isinstance(m, torch.nn.LSTM)
+    )  # fmt: skip
+    with FlopCounterMode(display=False) as train:
+        net(x).float().sum().backward()
+    for h in hooks:
+        h.remove()
+    with FlopCounterMode(display=False) as body, torch.no_grad():
+        feats = net.body(x)
+    head_in = feats.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as head:
+        net.head(head_in).sum().backward()
+    n = x.shape[0]
+    return (train.get_total_flops() + 3 * lstm) / n, (body.get_total_flops() + lstm) / n, head.get_total_flops() / n, \
+        sum(outputs) / n  # fmt: skip
+
+
+def design(args: argparse.Namespace, records: list, rows: list) -> None:
+    """FedRep's Table 1 (15 methods × 7 columns × 5 seeds = 525 runs) on one H100, as arithmetic: FLOPs from the
+    networks' own ops, memory from their sizes, and two assumptions (``ASSUMED``): the sustained fraction of the
+    dense TF32 peak and the fixed cost of one stacked local step (kernel launches). Not a measurement."""
+    table = []
+    total_compute = total_steps = 0.0
+    for name, kind, clients, cohort, n, n_test, rounds, body_epochs in COLUMNS:
+        net, x = _network(kind)
+        train, body_fwd, head_train, act_bytes = _flops_and_activations(net, x)
+        trained = [p for p in net.body.parameters() if p.requires_grad]
+        p_body, p_head = sum(p.numel() for p in trained), sum(p.numel() for p in net.head.parameters())
+        per_round = cohort * n * (body_epochs * train + body_fwd + 10 * head_train)
+        evaluation = ASSUMED["evaluations"] * clients * n_test * body_fwd
+        gflop_run = (rounds * per_round + evaluation) / 1e9
+        steps = rounds * (10 + body_epochs) * -(-n // 10)  # sequential local steps of a run (batch 10)
+        # one run inside a stacked step: its cohort's parameters, gradients and momentum (fp32) and the activations
+        # of a batch of 10 kept for the backward pass; plus its bank of personal heads and its global model
+        run_mb = (cohort * (3 * 4 * (p_body + p_head) + 2 * 10 * act_bytes) + 4 * (clients * p_head + 3 * p_body)) / 1e6
+        per_gpu = int(ASSUMED["memory_fraction"] * H100["memory_gb"] * 1e3 / run_mb)
+        compute_s = 75 * gflop_run / (ASSUMED["sustained_fraction"] * H100["tf32_dense_tflops"] * 1e3)
+        step_s = 15 * steps * ASSUMED["step_ms"] / 1e3  # 15 jobs (methods) of 5 seeds each, one after another
+        total_compute += compute_s
+        total_steps += step_s
+        table.append([name, f"{(p_body + p_head) / 1e6:.2f}M", gflop_run, steps, run_mb, per_gpu, compute_s, step_s])
+        setting = f"design,{name}"
+        for metric, value in (("design_gflop_per_run", gflop_run), ("design_steps_per_run", steps),
+                              ("design_mb_per_batched_run", run_mb), ("design_runs_per_h100", per_gpu),
+                              ("design_compute_s_75_runs", compute_s), ("design_step_s_15_jobs", step_s)):  # fmt: skip
+            records.append(record("run_axis", "design", metric, value, setting=setting))
+    print()
+    print("DESIGN, NOT A MEASUREMENT: FedRep's Table 1 on one H100 (80 GB) with 5 seeds per batched job")
+    print(format_table(["column", "params", "GFLOP/run", "steps/run", "MB/run", "runs/H100", "compute_s(75)",
+                        "steps_s(15 jobs)"], table))  # fmt: skip
+    print(
+        f"assumed: {ASSUMED['sustained_fraction']:.0%} of the {H100['tf32_dense_tflops']} TFLOP/s dense TF32 peak "
+        f"sustained, {ASSUMED['step_ms']} ms fixed cost per stacked local step, {ASSUMED['evaluations']} evaluations "
+        f"of every client per run. 525 runs: compute {total_compute:.0f} s, steps one job at a time "
+        f"{total_steps:.0f} s (the 15 jobs of a column overlap on one device when memory allows)"
+    )
+
+
+@contextlib.contextmanager
+def time_parts():
+    """CPU seconds spent in the simulation's compute-heavy functions, split by phase (``loop`` / ``batched``)."""
+    import collections
+
+    from experiments import mixed_regression as mr
+
+    names = {"assign_clusters": "assignments", "fedmd_phase1": "Phase 1", "kmeans": "k-means",
+             "local_estimate": "least squares"}  # fmt: skip
+    parts: dict[str, collections.Counter] = {"loop": collections.Counter(), "batched": collections.Counter()}
+    phase = {"now": "loop"}
+    saved = {n: getattr(mr, n) for n in names} | {"run_seeds": mr.run_seeds, "svd": mr.AffineFedX.__init__}
+
+    def wrap(fn, label):
+        def timed_fn(*a, **k):
+            start = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[phase["now"]][label] += time.process_time() - start
+
+        return timed_fn
+
+    def batched(*a, **k):
+        phase["now"] = "batched"
+        return saved["run_seeds"](*a, **k)
+
+    for n, label in names.items():
+        setattr(mr, n, wrap(saved[n], label))
+    mr.AffineFedX.__init__ = wrap(saved["svd"], "client SVDs")
+    mr.run_seeds = batched
+    try:
+        yield parts
+    finally:
+        for n in names:
+            setattr(mr, n, saved[n])
+        mr.AffineFedX.__init__, mr.run_seeds = saved["svd"], saved["run_seeds"]
+
+
+def _clear(run_dir: Path) -> None:
+    import shutil
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+
+
+WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regression, "design": design}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_axis", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--rounds", type=int, default=100, help="digits_fedrep rounds (the quickstart's 100)")
+    parser.add_argument("--mr_rounds", type=int, default=400, help="mixed_regression Phase-2 rounds")
+    parser.add_argument("--seeds", type=int, default=5, help="digits_fedrep seeds")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/run_axis"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    torch.set_num_threads(1)
+    records: list = []
+    rows: list = []
+    for name in args.workloads:
+        WORKLOADS[name](args, records, rows)
+    print()
+    print("Batched runs vs the same runs one after another (totals, 1 CPU thread; speed-up = reference / batched)")
+    print(format_table(["workload", "runs", "wall_s", "cpu_s", "speedup_wall", "speedup_cpu", "max_abs_diff"], rows))
+    path = write_results(records, args.out)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,236 @@
+"""``BatchedRuns``: several ``train.py`` runs as one job, their client updates stacked round by round.
+
+Each run is given as its ``train.py`` argument list and runs exactly as ``python train.py ARGS`` would: its
+own parsing (``fl_lightning.cli``), run dir, ``metrics.csv``, ``summary.json``, ``config.yaml``, W&B run and
+checkpoints. What changes is where its clients train: in the lockstep (``lockstep.Lockstep``), together with
+the other runs' clients of the same round (``cohorts``), and its data rows in one shared pool
+(``shared_data``). A batched job has no checkpoint of its own: it is its runs' checkpoints, and it resumes by
+starting every run with ``--ckpt_path last`` again (alone or batched, with any partners: a run's numbers do not
+depend on them).
+
+Runs share a batch when they have the same algorithm class and network; other configs are refused before
+anything starts (``check_batchable``). Everything else may differ: seed (and with it the partition, the cohorts
+and the data order), data set, number of clients, cohort size, learning rates, server optimiser, rounds,
+evaluation schedule. Runs whose client update cannot share a call (other client learning rate, other algorithm
+hyper-parameters) still share the lockstep and train in their own call of each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fl_lightning.errors import ConfigError
+from fl_lightning.run_axis.cohorts import combinable
+from fl_lightning.run_axis.lockstep import Interrupted, Lockstep
+from fl_lightning.run_axis.shared_data import RowPool
+
+
+@dataclass
+class RunOutcome:
+    """What one run of a batched job did: ``done`` (its summary), ``failed`` (one-line error) or ``interrupted``."""
+
+    args: list[str]
+    status: str = "pending"
+    summary: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+class _Parsed(Exception):
+    def __init__(self, config: Any) -> None:
+        super().__init__("parsed")
+        self.config = config
+
+
+def parse_config(args: Sequence[str]) -> dict[str, Any]:
+    """``train.py args`` parsed with train.py's parser, nothing instantiated: the resolved config as a dict."""
+    from jsonargparse import ArgumentError
+
+    from datamodules.base import FederatedDataModule
+    from fl_lightning import cli
+    from fl_lightning.module import FederatedModule
+
+    args = list(args)
+    cli.check_config_files(args)
+
+    class ParseOnly(cli._make_cli_class()):
+        def before_instantiate_classes(self) -> None:
+            raise _Parsed(self.config)
+
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    logging.disable(logging.INFO)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ParseOnly(
+                FederatedModule, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
+                trainer_defaults=cli.TRAINER_DEFAULTS, auto_configure_optimizers=False,
+                parser_kwargs={"exit_on_error": False},
+            )  # fmt: skip
+    except _Parsed as done:
+        return done.config.as_dict()
+    except (ArgumentError, TypeError, ValueError) as exc:
+        raise ConfigError(cli._one_line(exc)) from None
+    finally:
+        sys.argv = argv
+        logging.disable(logging.NOTSET)
+    raise RuntimeError("LightningCLI returned without parsing")  # pragma: no cover
+
+
+def batch_signature(config: dict[str, Any]) -> dict[str, str]:
+    """What runs of one batch must share: the algorithm class and the network (class and arguments)."""
+    model = config.get("model") or {}
+    algorithm = (model.get("algorithm") or {}).get("class_path", "?")
+    network = model.get("network") or {}
+    return {
+        "algorithm": str(algorithm),
+        "network": json.dumps({"class_path": network.get("class_path"), **(network.get("init_args") or {})},
+                              sort_keys=True, default=str),
+    }  # fmt: skip
+
+
+def check_batchable(configs: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> None:
+    """One ``ConfigError`` line if the runs cannot share a batch (other algorithm class or network, or a
+    multi-process trainer)."""
+    names = list(names or [f"run {i}" for i in range(len(configs))])
+    first = batch_signature(configs[0])
+    for name, config in zip(names, configs):
+        trainer = config.get("trainer") or {}
+        devices, nodes, strategy = trainer.get("devices"), trainer.get("num_nodes") or 1, str(trainer.get("strategy"))
+        if (isinstance(devices, int) and devices > 1) or (isinstance(devices, list) and len(devices) > 1) or nodes > 1 \
+                or "ddp" in strategy or "fsdp" in strategy:  # fmt: skip
+            raise ConfigError(
+                f"{name}: batched runs train in one process; trainer.devices={devices}, num_nodes={nodes}, "
+                f"strategy={strategy} needs one process per device (run it without batching)"
+            )
+        mine = batch_signature(config)
+        for key in ("algorithm", "network"):
+            if mine[key] != first[key]:
+                raise ConfigError(
+                    f"{name} cannot share a batch with {names[0]}: {key} {_short(mine[key])} vs {_short(first[key])} "
+                    "(batched runs need the same algorithm class and network)"
+                )
+
+
+def _short(text: str) -> str:
+    return text if len(text) < 90 else text[:87] + "..."
+
+
+def _allow_concurrent_wandb_runs(configs: Sequence[dict[str, Any]]) -> None:
+    """Several W&B runs open at once in one process (one per batched run) need ``reinit='create_new'``."""
+    from fl_lightning.cli import _wandb_mode
+
+    if all(_wandb_mode(str((c.get("wandb") or {}).get("mode", "auto"))) == "disabled" for c in configs):
+        return
+    import wandb
+
+    wandb.setup(wandb.Settings(reinit="create_new"))
+
+
+class BatchedRuns:
+    """Train the runs ``arg_lists`` (each a ``train.py`` argument list) as one batched job.
+
+    ``run()`` returns one ``RunOutcome`` per run, in order. A run that fails is reported and the others go on;
+    Ctrl-C stops every run (each keeps its last round checkpoint: run the same job with ``--ckpt_path last``).
+    """
+
+    def __init__(
+        self,
+        arg_lists: Sequence[Sequence[str]],
+        names: Sequence[str] | None = None,
+        check: bool = True,
+        before_fit: Callable[[int, Any], None] | None = None,
+        logs: Sequence[str | Path] | None = None,
+    ) -> None:
+        if not arg_lists:
+            raise ConfigError("a batched job needs at least one run")
+        self.arg_lists = [list(a) for a in arg_lists]
+        self.names = list(names or [f"run {i}" for i in range(len(self.arg_lists))])
+        self.configs = [parse_config(a) for a in self.arg_lists] if check else []
+        if check:
+            check_batchable(self.configs, self.names)
+        self.lockstep = Lockstep()
+        self.pool = RowPool()
+        self.outcomes = [RunOutcome(a) for a in self.arg_lists]
+        self.modules: list[Any] = [None] * len(self.arg_lists)
+        self._before_fit = before_fit
+        self.log_paths = [Path(p) for p in logs] if logs is not None else None  #: each run's console, if given
+        self._files: list[Any] = []
+
+    def run(self) -> list[RunOutcome]:
+        if self.configs:
+            _allow_concurrent_wandb_runs(self.configs)
+        threads = [
+            threading.Thread(target=self._thread, args=(i,), name=f"run-axis-{i}", daemon=True)
+            for i in range(len(self.arg_lists))
+        ]
+        self.lockstep.enter(len(threads))
+        self._files = [open(p, "a", buffering=1) for p in self.log_paths] if self.log_paths else []  # noqa: SIM115
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except KeyboardInterrupt:
+            self.lockstep.stop()
+            for t in threads:
+                t.join()
+        finally:
+            self.lockstep.restore_output()
+            for f in self._files:
+                f.close()
+        return self.outcomes
+
+    def _join(self, i: int, cli: Any) -> None:
+        """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep."""
+        datamodule, module = cli.datamodule, cli.model
+        datamodule.seed = datamodule.resolved_seed  # PL_GLOBAL_SEED is process-wide: the next run's parse resets it
+        datamodule.federated = self.pool.share(datamodule.federated)
+        module.run_axis = self.lockstep
+        if combinable(module):  # its clients train stacked: it evaluates with the vectorized executor's paths too
+            module.executor = "vectorized"
+        self.modules[i] = module
+        if self._before_fit is not None:
+            self._before_fit(i, cli)
+
+    def _thread(self, i: int) -> None:
+        from fl_lightning import cli
+        from fl_lightning.module import TrainingDiverged
+
+        outcome = self.outcomes[i]
+        with self.lockstep.lock:
+            if self._files:
+                self.lockstep.logs[threading.get_ident()] = self._files[i]
+                self.lockstep.activate()
+            try:
+                if self.lockstep.stopping:
+                    raise Interrupted()
+                outcome.summary = cli.run(outcome.args, before_fit=lambda c: self._join(i, c))
+                outcome.status = "done"
+            except Interrupted:
+                outcome.status, outcome.error = "interrupted", "interrupted"
+            except (ConfigError, FileNotFoundError, TrainingDiverged) as exc:
+                outcome.status, outcome.error = "failed", cli._one_line(exc)
+                print(f"error: {self.names[i]}: {outcome.error}", file=sys.stderr)
+            except BaseException as exc:  # noqa: BLE001 - reported per run; the other runs go on
+                if self.lockstep.stopping:
+                    outcome.status, outcome.error = "interrupted", "interrupted"
+                else:
+                    outcome.status, outcome.error = "failed", cli._one_line(exc)
+                    traceback.print_exc()
+            finally:
+                self.lockstep.leave()
+
+
+def run_batched(arg_lists: Sequence[Sequence[str]], names: Sequence[str] | None = None) -> list[RunOutcome]:
+    """Train ``train.py`` runs (argument lists) as one batched job; one ``RunOutcome`` per run."""
+    return BatchedRuns(arg_lists, names).run()
