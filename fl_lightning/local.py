@@ -21,6 +21,9 @@ from fl_lightning.errors import ConfigError
 
 Params = dict[str, Tensor]
 Penalty = Callable[[Params], Tensor]
+#: A minibatch loss ``(params, x, y) -> loss`` that replaces ``ClientContext.loss`` in a training phase (MOON's
+#: contrastive term and FedProto's prototype distance need the batch, not only the parameters).
+BatchLoss = Callable[[Params, Tensor, Tensor], Tensor]
 #: A ``torch.optim`` class with its init args, as a config gives it (``{class_path: torch.optim.Adam, init_args:
 #: {lr: 0.001}}``): a function ``params -> Optimizer``. The same type as ``lightning.pytorch.cli.OptimizerCallable``
 #: (spelled out here so that importing the engine does not import jsonargparse).
@@ -285,6 +288,7 @@ class ClientContext:
         penalty: Penalty | None = None,
         lr: float | None = None,
         max_steps: int | None = None,
+        objective: BatchLoss | None = None,
     ) -> Params:
         """Train ``trainable`` for ``epochs`` epochs of minibatches with the client optimiser (momentum SGD unless
         ``model.client_optimizer`` says otherwise); everything else stays frozen.
@@ -292,8 +296,8 @@ class ClientContext:
         A fresh optimiser per phase, so no momentum or weight decay leaks into frozen parameters
         (spec 000 §8.3); with ``optimizer_state`` (kept per client across rounds) each trained parameter
         continues from its own kept state instead. ``penalty(params)`` is added to every minibatch loss
-        (FedProx, Ditto, …); ``lr`` overrides the round's learning rate. Returns a new dict; ``params`` is not
-        modified.
+        (FedProx, Ditto, …); ``objective(params, x, y)`` replaces the minibatch loss (MOON, FedProto); ``lr`` overrides
+        the round's learning rate. Returns a new dict; ``params`` is not modified.
         """
         out = {n: t.detach().clone() for n, t in params.items()}
         if self.channels_last:
@@ -309,7 +313,7 @@ class ClientContext:
         for _ in range(epochs):
             for x, y in self.batches():
                 opt.zero_grad(set_to_none=True)
-                loss = self.loss(out, x, y)
+                loss = self.loss(out, x, y) if objective is None else objective(out, x, y)
                 if penalty is not None:
                     loss = loss + penalty(out)
                 loss.backward()

@@ -44,3 +44,10 @@ from fl_lightning.algorithms.moment_descent import FedMD  # noqa: E402
 from fl_lightning.algorithms.oneshot_kmeans import OneShotClustering  # noqa: E402
 
 __all__ += ["AlternatingGD", "FedMD", "IFCA", "OneShotClustering", "PowerInitLocalGD"]
+
+from fl_lightning.algorithms.feddyn import FedDyn  # noqa: E402
+from fl_lightning.algorithms.fedproto import FedProto  # noqa: E402
+from fl_lightning.algorithms.moon import MOON  # noqa: E402
+from fl_lightning.algorithms.pfedme import PFedMe  # noqa: E402
+
+__all__ += ["FedDyn", "FedProto", "MOON", "PFedMe"]
