@@ -279,6 +279,10 @@ NEURAL = {
     "FedPer": lambda: FedPer(1),
     "FedRep": lambda: FedRep(2, 1),
     "LocalOnly": lambda: LocalOnly(1),
+    "PFedMe": lambda: algorithms.PFedMe(inner_steps=2, local_steps=3),
+    "FedProto": lambda: algorithms.FedProto(),
+    "MOON": lambda: algorithms.MOON(),
+    "FedDyn": lambda: algorithms.FedDyn(),
 }
 CLOSED_FORM = [
     "LinearFedAvg",
@@ -329,7 +333,7 @@ def test_a_frozen_layer_stays_frozen_in_every_gradient_algorithm(name):
     assert all(torch.equal(p, before[n]) for n, p in net.named_parameters() if n in frozen)
     assert not seen & frozen and not any(n.endswith(tuple(frozen)) for n in module.bank.names)
     trained_global = any(not torch.equal(p, before[n]) for n, p in net.named_parameters() if n not in frozen)
-    assert trained_global or name == "LocalOnly"
+    assert trained_global or name in ("LocalOnly", "FedProto")  # FedProto uploads prototypes, never parameters
     if name != "LocalOnly":
         assert seen
 

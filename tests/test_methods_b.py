@@ -342,7 +342,8 @@ CHEAP = {"pfedme": ["--model.algorithm.init_args.local_steps", "3"]}
 
 @pytest.mark.parametrize("method", ["pfedme", "fedproto", "moon", "feddyn"])
 def test_digits_config_runs_in_both_executors_with_the_same_result(method, tmp_path, caplog):
-    overrides = [*CHEAP.get(method, []), "--trainer.max_steps", "2", "--model.eval_every", "100", "--model.eval_last", "1"]
+    overrides = [*CHEAP.get(method, []), "--trainer.max_steps", "2", "--model.eval_every", "100"]
+    overrides += ["--model.eval_last", "1"]
     configs = [*DIGITS, f"configs/digits/{method}.yaml"]
     seq = train_config(configs, overrides, run_dir=tmp_path / "seq")
     vec = train_config(configs, [*overrides, "--model.executor", "vectorized"], run_dir=tmp_path / "vec")
