@@ -57,6 +57,11 @@ __all__ += [
 ]
 
 from datamodules.lowrank import LowRankDataModule, LowRankMetrics  # noqa: E402
-from datamodules.mixed_regression import MixedRegressionDataModule, MixedRegressionMetrics  # noqa: E402
+from datamodules.mixed_regression import (  # noqa: E402
+    MixedRegressionDataModule,
+    MixedRegressionMetrics,
+    StartFromGroundTruth,
+)
 
 __all__ += ["LowRankDataModule", "LowRankMetrics", "MixedRegressionDataModule", "MixedRegressionMetrics"]
+__all__ += ["StartFromGroundTruth"]

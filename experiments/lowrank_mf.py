@@ -2,6 +2,10 @@
 
 ``python -m experiments lowrank_mf [--draws 50] [--sketches 20] [--seed 2024]``
 
+Any synthetic setting (the paper's by default: 25 clients × 200 rows, d = 200, rank 5, σ₁..σ₅ = 1, noise 1e-6):
+``--clients --rows --dim --rank --noise --singular_values`` (``linspace:1,0.5``, ``geomspace:1,0.1`` or a comma list),
+the same arguments as ``datamodules.LowRankDataModule`` (docs/generators.md).
+
 All runs are float64 and use the math of the engine algorithms (``fl_lightning.algorithms.lowrank_power``,
 ``alternating_gd``) on the stacked matrix S: V is shared and γ is the same for every client, so the
 clients' GD steps on their own row blocks are the rows of one GD step on S (spec 003 §7), and the
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from datamodules.lowrank import digits_by_label, synthetic_lowrank
+from datamodules.lowrank import digits_by_label, resolve_spectrum, synthetic_lowrank
 from fl_lightning.algorithms.alternating_gd import wk_constants, wk_iteration
 from fl_lightning.algorithms.lowrank_power import (
     condition_number,
@@ -86,6 +90,15 @@ def ye_du_predicted(s: Tensor, rank: int, eps: float) -> float:
     return math.log(rank * sr**2 / (std * 10**eps)) / (step * sr)
 
 
+def parse_spectrum(text: str | None) -> list[float] | dict[str, list[float]] | None:
+    """``linspace:a,b`` / ``geomspace:a,b`` → the data module's dict form; ``a,b,c`` → a list."""
+    if text is None:
+        return None
+    kind, _, values = text.rpartition(":")
+    numbers = [float(v) for v in values.split(",")]
+    return {kind: numbers} if kind else numbers
+
+
 def first_below(values: list[float], level: float) -> int | None:
     return next((i for i, v in enumerate(values) if v <= level), None)
 
@@ -100,16 +113,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sketches", type=int, default=20, help="best-of-m for Fig 3 / Table 2")
     parser.add_argument("--seed", type=int, default=2024)
     parser.add_argument("--out", default="results/lowrank_mf")
+    parser.add_argument("--clients", type=int, default=25)
+    parser.add_argument("--rows", type=int, default=200, help="rows per client")
+    parser.add_argument("--dim", type=int, default=200)
+    parser.add_argument("--rank", type=int, default=5, help="rank of the signal X (= the factorisation rank r)")
+    parser.add_argument("--noise", type=float, default=1e-6, help="noise std of the noisy matrix (the other has 0)")
+    parser.add_argument("--singular_values", default=None, help="linspace:1,0.5 | geomspace:1,0.1 | a comma list")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
-    clients, rows, dim, rank = 25, 200, 200, 5
+    clients, rows, dim, rank, noisy = args.clients, args.rows, args.dim, args.rank, args.noise
+    spectrum = parse_spectrum(args.singular_values)
+    sigma = resolve_spectrum(spectrum, rank).tolist()
+    print(f"synthetic: {clients} clients × {rows} rows, d={dim}, rank {rank}, σ = {[round(v, 4) for v in sigma]}, "
+          f"noise 0 and {noisy:g}\n")  # fmt: skip
     mats = {
-        noise: synthetic_lowrank(clients, rows, dim, rank, noise, torch.Generator().manual_seed(args.seed))
-        for noise in (0.0, 1e-6)
+        noise: synthetic_lowrank(clients, rows, dim, rank, noise, torch.Generator().manual_seed(args.seed), spectrum)
+        for noise in (0.0, noisy)
     }
     fmin = {noise: optimal_loss(s, rank) for noise, s in mats.items()}
 
@@ -212,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                     )
     print(
-        f"Fig 3(a) (noise 1e-6, best of m={args.sketches} Φ by κ(V), 200 local steps; log10 F_min = "
-        f"{log10(fmin[1e-6]):.2f}):"
+        f"Fig 3(a) (noise {noisy:g}, best of m={args.sketches} Φ by κ(V), 200 local steps; log10 F_min = "
+        f"{log10(fmin[noisy]):.2f}):"
     )
     print(
         format_table(
@@ -226,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{time.perf_counter() - start:.0f} s]\n", flush=True)
 
     # (4) Table 2: communications to log10(F − F_min) ≤ −5.5 on the noisy synthetic matrix.
-    s, eps = mats[1e-6], -5.5
+    s, eps = mats[noisy], -5.5
     rows_out = []
     for alpha in (0, 1):
         g = torch.Generator().manual_seed(args.seed + 10 + alpha)
         v, kappa = power_init(s, rank, alpha, g, args.sketches)
         curve = gd_curve(s, v, 300, True, torch.Generator().manual_seed(args.seed + 20), rows)
-        reach = first_below([log10(f - fmin[1e-6]) for f in curve], eps)
+        reach = first_below([log10(f - fmin[noisy]) for f in curve], eps)
         comms = alpha + 1 if reach is not None else "not reached"
         rows_out.append(
             [
@@ -243,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         records.append(record("table2", f"ours_alpha{alpha}", "communications", alpha + 1 if reach is not None else -1))
     wk = alternating_gd(s, rank, 100, torch.Generator().manual_seed(args.seed + 30))
-    reach = first_below([log10(f - fmin[1e-6]) for f in wk], eps)
+    reach = first_below([log10(f - fmin[noisy]) for f in wk], eps)
     rows_out.append(
         [
             "alternating GD (Ward & Kolda 2023)",
@@ -256,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_out.append(["GD from small init (Ye & Du 2021), predicted", f"{yd:.1e}", "formula of the paper's code"])
     records.append(record("table2", "ye_du_predicted", "communications", yd))
     print(
-        f"Table 2 pattern (synthetic, noise 1e-6, target log10(F − F_min) ≤ {eps}; paper: ours 1, WK2023 26, "
+        f"Table 2 pattern (synthetic, noise {noisy:g}, target log10(F − F_min) ≤ {eps}; paper: ours 1, WK2023 26, "
         "YD2021 ≥ 1e13):"
     )
     print(format_table(["method", "communications", "note"], rows_out))
@@ -290,20 +313,20 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["α", "κ(V)", "exact log10 F", "GD-500 log10 F", "Nesterov-500 log10 F"], rows_out))
     print(f"[{time.perf_counter() - start:.0f} s]\n", flush=True)
 
-    plot(fig2, fig3, fmin, out)
+    plot(fig2, fig3, fmin, out, noisy)
     path = write_results(records, out)
     print(f"results: {path}")
     return 0
 
 
-def plot(fig2: dict, fig3: dict, fmin: dict, out: Path) -> None:
+def plot(fig2: dict, fig3: dict, fmin: dict, out: Path, noisy: float = 1e-6) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, noise in zip(axes, (0.0, 1e-6)):
+    for ax, noise in zip(axes, (0.0, noisy)):
         for alpha in (0, 1):
             pts = sorted(fig2[(noise, alpha)])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", label=f"α={alpha} exact")
@@ -318,12 +341,12 @@ def plot(fig2: dict, fig3: dict, fmin: dict, out: Path) -> None:
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, curve in fig3.items():
-        if name.startswith("noise=1e-06"):
-            ax.plot([log10(c) for c in curve], label=name.replace("noise=1e-06 ", ""))
-    ax.axhline(log10(fmin[1e-6]), color="green", lw=0.8, label="optimum")
+        if name.startswith(f"noise={noisy:g} "):
+            ax.plot([log10(c) for c in curve], label=name.replace(f"noise={noisy:g} ", ""))
+    ax.axhline(log10(fmin[noisy]), color="green", lw=0.8, label="optimum")
     ax.set_xlabel("local iteration")
     ax.set_ylabel("log10 F")
-    ax.set_title("Fig 3(a) counterpart (synthetic, noise 1e-6)")
+    ax.set_title(f"Fig 3(a) counterpart (synthetic, noise {noisy:g})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "fig3_synthetic.png", dpi=120)

@@ -1,6 +1,8 @@
 """Representation learning in the two-layer linear setting: spec 004 (FedAvg vs D-GD) and FedRep's synthetic figures.
 
-``python -m experiments representation [--quick] [--trials N] [--out DIR] [--cifar-data DIR]``
+``python -m experiments representation [--quick] [--trials N] [--out DIR] [--cifar-data DIR] [--parts A,B]``
+``[--spec004 D,K,M ...] [--engine004 D,K,M]`` (other sizes than the spec's T1/T2; every generator argument of the
+``train.py`` runs is a ``SyntheticLinearDataModule`` argument, docs/generators.md)
 
 Spec 004 (population gradients, α = 0.4, B₀ = Q/√α, w₀ = 0; d, k, M are not in the file, the spec's T1/T2 choices):
   Fig. 1 (dist vs rounds), Fig. 3 (gradient norm; new-client fine-tuning error vs n), Fig. 6 (m = 10 of M = 40),
@@ -11,12 +13,18 @@ FedRep (spec 000 §3.1, §5; the paper's unstated sizes as in the spec / the aut
   Fig. 1 (Local Only / FedSGD / FedRep error across m), Fig. 4 (new-client MSE vs m_new), Method-of-Moments and
   projected-GD initialisations, and the engine run (``configs/representation/fedrep*.yaml``).
 ``--cifar-data DIR`` also trains spec 004's CIFAR-100 transfer configs (needs the data and a GPU-sized budget).
+
+Engine path vs batched simulation: the ``train.py`` parts (``spec004_engine``: population gradients in float64 with
+the held-out clients' fine-tuning; ``fedrep_engine``) run the engine's ``LinearFedAvg``/``LinearFedRep`` and are
+replayed by the batched math on the same data, initialisation and cohorts. The batched simulation
+(``experiments/linear_representation``) stays for what the engine would run far slower: 10-trial curves, the τ/α
+sweeps, Proposition 2, and FedRep's figures with up to 10,000 clients and n-sweeps of new clients.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import json
 import math
 import time
 from pathlib import Path
@@ -57,15 +65,10 @@ def ci95(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def engine_history(run_dir: Path, key: str = "val/dist_B") -> list[tuple[int, float]]:
-    """(rounds completed, value) at every evaluation, read back from the run's ``metrics.csv``."""
-    seen: dict[int, float] = {}
-    with open(run_dir / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            if row.get(key) and row.get("round"):
-                seen.setdefault(int(float(row["round"])) + 1, float(row[key]))
-    evals = sorted(seen.items())
-    # rows are forward-filled between evaluations: keep the first row at which each new value appears
-    return [(t, v) for i, (t, v) in enumerate(evals) if i == 0 or v != evals[i - 1][1]]
+    """(rounds completed, value) at every evaluation, from the run's ``history.json`` (full precision; the
+    logged ``metrics.csv`` holds float32 values)."""
+    history = json.loads((run_dir / "history.json").read_text())
+    return [(int(h["round"]) + 1, float(h[key])) for h in history if key in h]
 
 
 # ---- spec 004 ---------------------------------------------------------------------------------------------
@@ -207,7 +210,8 @@ def spec004(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> li
 
 
 def _engine_setup(base: str, seed: int, data_overrides: dict[str, Any]) -> tuple[Any, Any]:
-    """The datamodule and initial network a ``train.py`` run with ``base`` and ``seed_everything=seed`` builds."""
+    """The datamodule and initial network a ``train.py`` run with ``base`` and ``seed_everything=seed`` builds (the
+    network's sizes come from the data, as in ``fl_lightning.sizes``)."""
     import lightning as L
     import yaml
 
@@ -215,9 +219,10 @@ def _engine_setup(base: str, seed: int, data_overrides: dict[str, Any]) -> tuple
     from fl_lightning.models import LinearRepresentation
 
     cfg = yaml.safe_load((CONFIGS / f"{base}.yaml").read_text())
+    args = {**cfg["data"]["init_args"], **data_overrides}
     L.seed_everything(seed, verbose=False)
-    net = LinearRepresentation(**cfg["model"]["network"]["init_args"])
-    dm = SyntheticLinearDataModule(**{**cfg["data"]["init_args"], **data_overrides})
+    net = LinearRepresentation(args["dim"], args["rank"])
+    dm = SyntheticLinearDataModule(**args)
     dm.setup()
     return dm, net
 
@@ -226,43 +231,67 @@ def _flags(data_overrides: dict[str, Any]) -> list[str]:
     return [f"--data.init_args.{k}={v}" for k, v in data_overrides.items()]
 
 
+ENGINE004 = (
+    ("linear_fedavg", "FedAvg τ=2", 2, "population"),
+    ("linear_dgd", "D-GD τ=1", 1, "population"),
+    ("linear_fedavg", "FedAvg τ=2, samples", 2, "samples"),
+)
+
+
 def spec004_engine(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
-    """train.py with configs/representation/linear_*.yaml, and the batched path replayed on the same data and init."""
+    """train.py with configs/representation/linear_*.yaml (float64; population gradients, and once the finite-sample
+    ones): dist(B, B*) during training and the held-out clients' fine-tuning error at the end, each replayed by the
+    batched path on the same ground truth, initialisation and new-client samples."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     rows = []
     rounds, data = cfg["engine_rounds004"], cfg["engine_data004"]
     dm, net = _engine_setup("linear_base", 0, data)
-    fed = dm.federated
-    n, m = fed.num_clients, int(fed.train.sizes[0])
-    x, y = fed.train.x.double().reshape(1, n, m, -1), fed.train.y.double().reshape(1, n, m)
-    b_star = fed.extras["B_star"].double()[None]
+    fed, new = dm.federated, dm.new_clients
+    n, m, d = fed.num_clients, int(fed.train.sizes[0]), dm.dim
+    b_star, w_star = fed.extras["B_star"][None], fed.extras["W_star"][None]
+    x, y = fed.train.x.reshape(1, n, m, d), fed.train.y.reshape(1, n, m)
     q = torch.linalg.qr(net.body.weight.detach().T.double()).Q[None]
-    for name, label, tau in (("linear_fedavg", "FedAvg τ=2", 2), ("linear_dgd", "D-GD τ=1", 1)):
-        run_dir = out / "runs" / name
+    count, per = new.num_clients, int(new.train.sizes[0])
+    new_x, new_y = new.train.x.reshape(count, per, d), new.train.y.reshape(count, per)
+    new_theta = new.extras["population_target"]
+    for name, label, tau, gradient in ENGINE004:
+        run_dir = out / "runs" / f"{name}_{gradient}"
         summary = train_config(
             [CONFIGS / "linear_base.yaml", CONFIGS / f"{name}.yaml"],
-            [f"--trainer.max_steps={rounds}", "--trainer.enable_checkpointing=false", *_flags(data)],
+            [f"--trainer.max_steps={rounds}", "--trainer.enable_checkpointing=false",
+             f"--model.algorithm.init_args.gradient={gradient}", *_flags(data)],
             run_dir=run_dir,
-        )
+        )  # fmt: skip
         hist = engine_history(run_dir)
-        replay = fa.fedavg(q / 0.4**0.5, torch.zeros(1, q.shape[2], dtype=F64), fa.sample_objectives(x, y), 0.4, tau,
-                           rounds, b_star=b_star).dist[:, 0]  # fmt: skip
-        gap = max(abs(v - float(replay[t])) for t, v in hist)
-        line = ax.semilogy([t for t, _ in hist], [v for _, v in hist], marker="o", ls="", label=f"{label} (train.py)")
-        ax.semilogy(replay, color=line[0].get_color(), label=f"{label} (batched replay)")
-        rows.append((label, summary["rounds"], summary["dist_B"], float(replay[-1]), gap, summary["wall_s"]))
-        setting = f"train.py, n={n}, {m} noiseless samples/client"
+        population = gradient == "population"
+        objectives = fa.population_objectives(b_star, w_star) if population else fa.sample_objectives(x, y)
+        b0 = (q / 0.4**0.5).float().double()  # B₀ = Q/√α as stored in the (float32-built) network
+        replay = fa.fedavg(b0, torch.zeros(1, q.shape[2], dtype=F64), objectives, 0.4, tau, rounds, b_star=b_star)
+        gap = max(abs(v - float(replay.dist[t, 0])) for t, v in hist)
+        b_ft, w_ft = fa.finetune(replay.b.expand(count, -1, -1), replay.w.expand(count, -1), new_x, new_y, 200, 0.01)
+        ft = float((torch.einsum("tdk,tk->td", b_ft, w_ft) - new_theta).square().sum(-1).mean())
+        line = ax.semilogy([t for t, _ in hist], [max(v, 1e-17) for _, v in hist], marker="o", ls="",
+                           label=f"{label} (train.py)")  # fmt: skip
+        ax.semilogy(replay.dist[:, 0].clamp(min=1e-17), color=line[0].get_color(), label=f"{label} (batched replay)")
+        rows.append((label, summary["rounds"], summary["dist_B"], float(replay.dist[-1, 0]), gap,
+                     summary["new_clients_mse"], ft, summary["wall_s"]))  # fmt: skip
+        setting = f"train.py, M={n}, d={d}, k={dm.rank}, {gradient} gradients, float64"
         records.append(record("engine_spec004", label, "dist_B_final", summary["dist_B"], setting=setting))
         records.append(record("engine_spec004", label, "max_gap_to_batched", gap, setting=setting))
+        records.append(record("engine_spec004", label, f"new_client_sq_err@n={per}", summary["new_clients_mse"],
+                              setting=setting))  # fmt: skip
+        ft_gap = abs(summary["new_clients_mse"] - ft)
+        records.append(record("engine_spec004", label, "new_client_gap_to_batched", ft_gap, setting=setting))
     ax.set(title="LinearFedAvg: train.py vs batched path", xlabel="round", ylabel="dist(B_t, B*)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "engine_spec004_dist.png", dpi=110)
     plt.close(fig)
-    return [f"Engine path: train.py with configs/representation/linear_*.yaml ({n} clients × {m} noiseless samples)",
-            format_table(["method", "rounds", "dist_B (train.py)", "dist_B (batched)", "max |gap|", "wall_s"], rows),
-            ""]  # fmt: skip
+    header = ["method", "rounds", "dist_B (train.py)", "dist_B (batched)", "max |gap|",
+              f"new-client err n={per} (train.py)", "(batched)", "wall_s"]  # fmt: skip
+    return [f"Engine path: train.py with configs/representation/linear_*.yaml (M={n}, float64; {count} new clients "
+            f"fine-tuned 200 GD steps on {per} samples)", format_table(header, rows), ""]  # fmt: skip
 
 
 # ---- FedRep (spec 000) ------------------------------------------------------------------------------------
@@ -451,9 +480,9 @@ def fedrep_engine(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]])
         dm, net = _engine_setup("fedrep_base", seed, data)
         fed = dm.federated
         n, m = fed.num_clients, int(fed.train.sizes[0])
-        tasks = fr.Tasks(fed.train.x.double().reshape(1, n, m, -1), fed.train.y.double().reshape(1, n, m),
-                         fed.extras["B_star"].double()[None], fed.extras["W_star"].double()[None])  # fmt: skip
-        b0, w0 = net.body.weight.detach().T.double()[None], net.head.weight.detach().double()[None]
+        tasks = fr.Tasks(fed.train.x.reshape(1, n, m, -1), fed.train.y.reshape(1, n, m),
+                         fed.extras["B_star"][None], fed.extras["W_star"][None])  # fmt: skip
+        b0, w0 = net.body.weight.detach().T.double()[None], torch.zeros(1, 1, dm.rank, dtype=F64)  # head_init: zeros
         cohorts = ClientSampler(n, dm.clients_per_round, seed).sample
         for name, label, steps in (("fedrep", "FedRep", None), ("10gdgd", "10GD-GD", 10), ("gdgd", "GD-GD", 1)):
             run_dir = out / "runs" / f"{name}_seed{seed}"
@@ -551,7 +580,7 @@ def _override(overrides: list[str], key: str, default: int) -> int:
 FULL = dict(
     settings004={"T1": (10, 2, 20), "T2": (50, 5, 40)}, fig6=(50, 5, 40, 10),
     trials=10, rounds004=1000, ft_samples=[5, 10, 20, 50, 100], sweep_trials=5, taus=[1, 2, 3, 5, 10],
-    alphas=[0.1, 0.2, 0.4], sweep_rounds=300, alpha_rounds=3000, engine_rounds004=300, engine_data004={},
+    alphas=[0.1, 0.2, 0.4], sweep_rounds=300, alpha_rounds=3000, engine_rounds004=500, engine_data004={},
     fig3_n=[10, 100, 1000, 10000], fig3_rounds=200, fig7_m=[5, 10, 20], fig7_n=[10, 100, 1000], fig7_rounds=200,
     fig1_m=[5, 10, 20], fig1_rounds=500, fig4_m_new=[1, 2, 5, 10, 20, 40], init_n=[10, 100, 1000, 10000],
     engine_rounds000=200, engine_data000={}, engine_seeds000=[0, 1, 2],
@@ -559,11 +588,15 @@ FULL = dict(
 QUICK = dict(
     settings004={"T1": (10, 2, 20)}, fig6=(10, 2, 20, 5),
     trials=2, rounds004=60, ft_samples=[5, 20], sweep_trials=2, taus=[1, 2], alphas=[0.2, 0.4], sweep_rounds=60,
-    alpha_rounds=60, engine_rounds004=4, engine_data004={"num_clients": 4}, fig3_n=[10, 100],
+    alpha_rounds=60, engine_rounds004=4, engine_data004={"num_clients": 4, "new_clients": 2}, fig3_n=[10, 100],
     fig3_rounds=20, fig7_m=[5], fig7_n=[10, 100], fig7_rounds=20, fig1_m=[5, 10], fig1_rounds=20,
     fig4_m_new=[1, 2, 40], init_n=[10, 100], engine_rounds000=4, engine_data000={"num_clients": 10},
     engine_seeds000=[0],
 )  # fmt: skip
+
+
+PARTS = {f.__name__: f for f in (spec004, spec004_engine, fedrep_fig3, fedrep_fig7, fedrep_fig1_fig4, fedrep_init,
+                                  fedrep_engine)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -572,15 +605,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=None, help="override the number of trials (default 10)")
     parser.add_argument("--out", type=Path, default=Path("results/representation"))
     parser.add_argument("--cifar-data", type=Path, default=None, help="CIFAR-100 folder: also run spec 004 §4.2")
+    parser.add_argument("--spec004", action="append", default=None, metavar="D,K,M",
+                        help="spec 004 setting(s) for the batched figures instead of T1/T2 (repeatable)")  # fmt: skip
+    parser.add_argument("--engine004", default=None, metavar="D,K,M", help="the train.py runs' d, k, M (default T1)")
+    parser.add_argument("--parts", default=None, help=f"comma list of parts to run (default all: {', '.join(PARTS)})")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = dict(QUICK if args.quick else FULL)
     if args.trials is not None:
         cfg["trials"] = args.trials
+    if args.spec004:
+        cfg["settings004"] = {f"S{i + 1}": tuple(int(v) for v in s.split(",")) for i, s in enumerate(args.spec004)}
+    if args.engine004:
+        d, k, num = (int(v) for v in args.engine004.split(","))
+        cfg["engine_data004"] = {**cfg["engine_data004"], "dim": d, "rank": k, "num_clients": num}
+    parts = [PARTS[p] for p in args.parts.split(",")] if args.parts else list(PARTS.values())
     args.out.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
-    for part in (spec004, spec004_engine, fedrep_fig3, fedrep_fig7, fedrep_fig1_fig4, fedrep_init, fedrep_engine):
+    for part in parts:
         t0 = time.perf_counter()
         lines = part(cfg, args.out, records)
         print("\n".join(lines))

@@ -131,6 +131,11 @@ def _make_cli_class(stage: str = "fit"):
             parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
             parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
 
+        def before_instantiate_classes(self) -> None:
+            from fl_lightning.sizes import share_sizes  # issue 18: network sizes come from the data
+
+            share_sizes(self.config)
+
         def instantiate_trainer(self, **kwargs: Any):
             cfg = self.config
             if stage != "fit" and not cfg.ckpt_path:
@@ -239,7 +244,7 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of run summaries."""
     headers = ["algorithm", "metric", "final", "last10", "rounds", "wall_s"]
-    extra = [k for k in ("dist_B",) if any(k in r for r in rows)]
+    extra = list(dict.fromkeys(k for r in rows for k in r if k not in headers))  # dist_B, new_clients_*, mf/…
     headers += extra
     cells = [[_fmt(r.get(h, "")) for h in headers] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]

@@ -15,6 +15,10 @@ from torch import Tensor
 from fl_lightning.errors import ConfigError
 
 
+def _cast(t: Tensor, device: torch.device | str, dtype: torch.dtype | None) -> Tensor:
+    return t.to(device, dtype) if dtype is not None and t.is_floating_point() else t.to(device)
+
+
 @dataclass
 class ClientSplit:
     """One split (train or test) of every client: ``x[ptr[c]:ptr[c+1]]`` belongs to client ``c``."""
@@ -48,8 +52,9 @@ class ClientSplit:
         """The owner of every row: ``[N]``."""
         return torch.repeat_interleave(torch.arange(self.num_clients, device=self.ptr.device), self.sizes)
 
-    def to(self, device: torch.device | str) -> ClientSplit:
-        return ClientSplit(self.x.to(device), self.y.to(device), self.ptr.to(device))
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ClientSplit:
+        """Move to ``device``; with ``dtype``, floating ``x``/``y`` are cast too (integer labels, indices stay)."""
+        return ClientSplit(_cast(self.x, device, dtype), _cast(self.y, device, dtype), self.ptr.to(device))
 
 
 @dataclass
@@ -96,14 +101,16 @@ class FederatedData:
         """The same federation with ``fn`` applied to every split (train, test and, if any, val)."""
         return replace(self, train=fn(self.train), test=fn(self.test), val=None if self.val is None else fn(self.val))
 
-    def to(self, device: torch.device | str) -> FederatedData:
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> FederatedData:
+        """Move to ``device``; with ``dtype``, the floating client data (x, y, side) are cast to it. ``extras``
+        (ground truth for metrics) keep their dtype."""
         return FederatedData(
-            self.train.to(device),
-            self.test.to(device),
+            self.train.to(device, dtype),
+            self.test.to(device, dtype),
             self.num_classes,
             self.seed,
-            None if self.side is None else self.side.to(device),
+            None if self.side is None else _cast(self.side, device, dtype),
             self.augment,
             {k: v.to(device) for k, v in self.extras.items()},
-            None if self.val is None else self.val.to(device),
+            None if self.val is None else self.val.to(device, dtype),
         )

@@ -125,7 +125,7 @@ def mean_of_last(history: list[dict[str, float]], key: str, count: int) -> float
 def score_outputs(out: Tensor, y: Tensor, num_classes: int | None) -> tuple[float, int, float]:
     """(correct predictions, samples, summed loss) of one client's test outputs."""
     if num_classes is None:
-        return 0.0, y.shape[0], float(((out.float() - y) ** 2).sum())
+        return 0.0, y.shape[0], float(((out.to(torch.promote_types(out.dtype, y.dtype)) - y) ** 2).sum())
     loss = float(torch.nn.functional.cross_entropy(out.float(), y, reduction="sum"))
     return float((out.argmax(-1) == y).sum()), y.shape[0], loss
 

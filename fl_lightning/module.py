@@ -204,6 +204,7 @@ class FederatedModule(L.LightningModule):
             self.bank = ClientStateBank(template, fed.num_clients).to(self.device)
             self.client_scores = PerClientScores(fed.num_clients).to(self.device)
         self.loss_fn = loss_fn_for(fed.num_classes)
+        self.algorithm.bind_ground_truth(fed.extras)  # population-gradient options (spec 004) read it
         template = self.algorithm.upload_template(glob)
         side = None if fed.side is None else getattr(getattr(self.net, "side", None), "reveals", "side information")
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
@@ -229,16 +230,20 @@ class FederatedModule(L.LightningModule):
                 "set trainer.val_check_interval (in rounds) instead"
             )
 
+    def data_dtype(self) -> torch.dtype | None:
+        """Floating client data follow the network's dtype (``trainer.precision: 64-true`` → float64; issue 18)."""
+        return next((p.dtype for p in self.net.parameters() if p.is_floating_point()), None)
+
     def on_fit_start(self) -> None:
-        self.fed = self.fed.to(self.device)
+        self.fed = self.fed.to(self.device, self.data_dtype())
         self._fit_start = time.perf_counter()
         self._check_monitored_keys()
 
     def on_validation_start(self) -> None:
-        self.fed = self.fed.to(self.device)
+        self.fed = self.fed.to(self.device, self.data_dtype())
 
     def on_test_start(self) -> None:
-        self.fed = self.fed.to(self.device)
+        self.fed = self.fed.to(self.device, self.data_dtype())
 
     def configure_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
         """The server optimiser and the client learning rate, each with its per-round schedule
@@ -535,7 +540,7 @@ class FederatedModule(L.LightningModule):
         saved = self.fed, self.client_scores
         fresh = self.algorithm.init_client_state(self.global_params())
         try:
-            self.fed = new.to(self.device)
+            self.fed = new.to(self.device, self.data_dtype())
             self.client_scores = PerClientScores(new.num_clients).to(self.device)
             return self.evaluate_clients(round_idx, self.new_client_finetune, state_of=lambda c: fresh)
         finally:
@@ -545,8 +550,9 @@ class FederatedModule(L.LightningModule):
         """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
         out: dict[str, float] = {}
         new = getattr(getattr(self._trainer, "datamodule", None), "new_clients", None)
-        if isinstance(new, FederatedData) and self.fed.num_classes is not None:
-            out["final/new_clients_acc"] = float(self.evaluate_new_clients(round_idx, new)["acc_mean"])
+        if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
+            name, key = ("acc", "acc_mean") if self.fed.num_classes is not None else ("mse", "loss_mean")
+            out[f"final/new_clients_{name}"] = float(self.evaluate_new_clients(round_idx, new)[key])
         if self.finetune is not None:
             ft = self.evaluate_clients(round_idx, finetune=self.finetune, split=split)
             out["final/acc_ft"] = float(ft["acc_mean"])
@@ -569,8 +575,9 @@ class FederatedModule(L.LightningModule):
         if "val/dist_B" in last:
             summary["dist_B"] = last["val/dist_B"]
         end = self._end_evaluations(self.rounds_trained - 1, split=self.validation_split)
-        if "final/new_clients_acc" in end:
-            summary["new_clients_acc"] = end["final/new_clients_acc"]
+        for name in ("acc", "mse"):
+            if f"final/new_clients_{name}" in end:
+                summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
         if "final/acc_ft" in end:
             summary["final"] = summary["last10"] = end["final/acc_ft"]
         if end:

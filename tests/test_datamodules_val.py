@@ -15,7 +15,9 @@ from data_fixtures import write_femnist  # noqa: E402
 
 from datamodules import DigitsDataModule, DigitsShiftDataModule, FEMNISTDataModule, Natural, Shards  # noqa: E402
 from datamodules.base import split_validation  # noqa: E402
+from datamodules.mixed_regression import MixedRegressionDataModule  # noqa: E402
 from datamodules.report import partition_report  # noqa: E402
+from datamodules.synthetic import SyntheticLinearDataModule  # noqa: E402
 from fl_lightning.client_data import ClientSplit  # noqa: E402
 from fl_lightning.errors import ConfigError  # noqa: E402
 
@@ -149,3 +151,30 @@ def test_a_run_with_a_validation_split_trains(tmp_path):
         run_dir=tmp_path,
     )  # fmt: skip
     assert summary["rounds"] == 1 and 0 <= summary["final"] <= 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda f: SyntheticLinearDataModule(num_clients=6, samples_per_client=10, val_fraction=f, seed=3),
+        lambda f: MixedRegressionDataModule(setting=None, sizes="6x20", num_clusters=2, dim=5, val_fraction=f, seed=3),
+    ],
+    ids=["synthetic_linear", "mixed_regression"],
+)
+def test_regression_generators_take_a_validation_split(make):
+    """The papers' regression generators accept ``val_fraction``: each client's validation rows plus its training
+    rows are exactly its rows without the split (same x, same y), and the test split is untouched."""
+    whole, split = make(0.0), make(0.25)
+    whole.setup("fit"), split.setup("fit")
+    a, b = whole.federated, split.federated
+    assert a.val is None and b.val is not None
+    assert torch.equal(b.val.sizes, torch.full((6,), round(0.25 * int(a.train.sizes[0]))))
+    for c in range(6):
+        xa, ya = a.train.client(c)
+        xt, yt = b.train.client(c)
+        xv, yv = b.val.client(c)
+        rows = {tuple(r.tolist()) + (float(t),) for r, t in zip(xa, ya)}
+        got = [tuple(r.tolist()) + (float(t),) for r, t in zip(torch.cat([xt, xv]), torch.cat([yt, yv]))]
+        assert len(got) == len(rows) and set(got) == rows
+        assert not {tuple(r.tolist()) for r in xt} & {tuple(r.tolist()) for r in xv}
+        assert torch.equal(a.test.client(c)[0], b.test.client(c)[0])

@@ -1,4 +1,5 @@
-"""Spec 001 / 003 methods (moment descent, power-init low-rank MF) under 2-process CPU DDP equal 1 process."""
+"""Spec 001 / 003 / 004 methods (moment descent, power-init low-rank MF, float64 population FedAvg) under 2-process
+CPU DDP equal 1 process."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ MIXED = [
     "12",
 ]
 LOWRANK = ["--config", "configs/lowrank_mf/synthetic.yaml", *SMALL_SYNTHETIC_ARGS, "--trainer.max_steps", "8"]
+# spec 004 in float64 (trainer.precision 64-true in linear_base.yaml): the all-reduce must keep float64
+LINEAR = [
+    *["--config", "configs/representation/linear_base.yaml", "--config", "configs/representation/linear_fedavg.yaml"],
+    *["--data.init_args.num_clients", "6", "--data.init_args.new_clients", "2", "--trainer.max_steps", "30"],
+]
 
 
 def final_state(args: list[str], devices: int, run_dir: Path) -> dict[str, torch.Tensor]:
@@ -45,12 +51,18 @@ def final_state(args: list[str], devices: int, run_dir: Path) -> dict[str, torch
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")["state_dict"]
 
 
-@pytest.mark.parametrize("name,args", [("mixed_regression", MIXED), ("lowrank_mf", LOWRANK)])
+@pytest.mark.parametrize(
+    "name,args", [("mixed_regression", MIXED), ("lowrank_mf", LOWRANK), ("linear_population_float64", LINEAR)]
+)
 def test_two_processes_match_one(name, args, tmp_path):
     one, two = final_state(args, 1, tmp_path / "one"), final_state(args, 2, tmp_path / "two")
-    assert one.keys() == two.keys() and any(k.startswith("bank.") for k in one)
+    assert one.keys() == two.keys()
+    assert any(k.startswith("bank.") for k in one) or name == "linear_population_float64"  # FedAvg: no client state
+    if name == "linear_population_float64":
+        assert one["net.body.weight"].dtype == two["net.body.weight"].dtype == torch.float64
     for k in one:
         if one[k].is_floating_point():
-            assert_close_finite(two[k], one[k], rtol=0, atol=1e-6, msg=f"{name}: {k}")
+            atol = 1e-12 if one[k].dtype == torch.float64 and name == "linear_population_float64" else 1e-6
+            assert_close_finite(two[k], one[k], rtol=0, atol=atol, msg=f"{name}: {k}")
         else:
             assert torch.equal(two[k], one[k]), f"{name}: {k}"

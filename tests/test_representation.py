@@ -330,21 +330,27 @@ def test_engine_linear_fedavg_matches_batched_path():
         assert abs(module.history[-1]["val/dist_B"] - float(fa.distance(b_star[None], run.b)[0])) < 1e-5
 
 
-@pytest.mark.parametrize("head_steps", [None, 10])
-def test_engine_linear_fedrep_matches_batched_path(head_steps):
-    """Half of the clients per round: the batched path replays the engine's cohorts (``ClientSampler``)."""
+@pytest.mark.parametrize("head_steps,conventions", [(None, "default"), (10, "default"), (1, "legacy")])
+def test_engine_linear_fedrep_matches_batched_path(head_steps, conventions):
+    """Half of the clients per round: the batched path replays the engine's cohorts (``ClientSampler``). Default
+    conventions: zero heads, positive-diagonal QR; ``legacy``: the network's shared random head, LAPACK's QR signs."""
     n, d, k, m = 8, 6, 2, 5
     dm, fed, x, y = _engine_data(n, d, k, m, participation=0.5)
     L.seed_everything(1)
     net = LinearRepresentation(d, k)
     b0, w0 = net.body.weight.detach().T.double().clone(), net.head.weight.detach()[0].double().clone()
     solver = "exact" if head_steps is None else "gd"
-    algorithm = LinearFedRep(body_lr=0.1, head_solver=solver, head_steps=head_steps or 1, head_lr=0.1)
+    legacy = conventions == "legacy"
+    algorithm = LinearFedRep(
+        body_lr=0.1, head_solver=solver, head_steps=head_steps or 1, head_lr=0.1,
+        head_init="shared_random" if legacy else "zeros", positive_qr=not legacy,
+    )  # fmt: skip
     module = FederatedModule(algorithm, net, aggregation="uniform", eval_every=5, eval_last=1)
     fit(module, dm, rounds=12, seed=1)
     tasks = fr.Tasks(x, y, fed.extras["B_star"].double()[None], fed.extras["W_star"].double()[None])
     cohorts = ClientSampler(n, 4, 0).sample
-    run = fr.fedrep(tasks, b0[None], w0[None, None], 12, 0.1, head_steps, 0.1, cohorts=cohorts)
+    w_start = w0[None, None] if legacy else torch.zeros(1, 1, k, dtype=F64)
+    run = fr.fedrep(tasks, b0[None], w_start, 12, 0.1, head_steps, 0.1, cohorts=cohorts, positive_qr=not legacy)
     assert_close_finite(run.b[0], net.body.weight.detach().T.double(), rtol=1e-5, atol=1e-5)
     assert abs(module.history[-1]["val/dist_B"] - float(run.dist[-1, 0])) < 1e-5
 
@@ -358,7 +364,7 @@ def test_fedavg_steps_takes_exactly_tau_local_steps(tau):
     ref = [p.detach().clone().requires_grad_() for p in (net.body.weight, net.head.weight)]
     module = FederatedModule(FedAvgSteps(tau), net, lr=0.05, momentum=0.0, batch_size=12, eval_last=1)
     fit(module, dm, rounds=1, seed=2)
-    xs, ys = fed.train.x, fed.train.y
+    xs, ys = fed.train.x.float(), fed.train.y.float()  # the engine casts the float64 data to the network dtype
     for _ in range(tau):
         loss = 0.5 * ((xs @ ref[0].T @ ref[1].T).squeeze(-1) - ys).square().mean()
         grads = torch.autograd.grad(loss, ref)

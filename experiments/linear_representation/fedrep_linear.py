@@ -21,6 +21,7 @@ from torch import Tensor
 
 from datamodules.synthetic import linear_ground_truth
 from experiments.linear_representation.fedavg_linear import DTYPE, distance
+from fl_lightning.algorithms.linear_fedrep import orthonormalize as qr_factor
 
 
 @dataclass
@@ -125,12 +126,14 @@ def fedrep(
     generator: torch.Generator | None = None,
     cohorts: Callable[[int], Tensor] | None = None,
     track_fvalue: bool = True,
+    positive_qr: bool = True,
 ) -> FedRepRun:
     """FedRep (``head_steps=None``: exact least-squares heads) or GD-GD / 10GD-GD (``head_steps`` head GD steps).
 
     Per round (spec 000 Algorithm 2 with fixed samples): each sampled client fits its head on B, takes one GD
     step on B with the new head fixed, ∇_B f̂ᵢ = (1/m)Σⱼ(xⱼᵀBwᵢ − yⱼ)xⱼwᵢᵀ; the server averages the Bᵢ and
-    (if ``orthonormalize``) keeps the Q factor. Heads of unsampled clients are unchanged. Each round
+    (if ``orthonormalize``) keeps the Q factor, with a positive-diagonal R unless ``positive_qr`` is false (the
+    engine's ``LinearFedRep`` convention and its QR function). Heads of unsampled clients are unchanged. Each round
     ``clients_per_round`` clients are drawn per trial from ``generator``, or ``cohorts(t)`` (the same indices for
     every trial, e.g. the engine's ``ClientSampler.sample``) when given. ``fvalue`` is empty unless ``track_fvalue``.
     """
@@ -162,7 +165,7 @@ def fedrep(
         grad = torch.einsum("tsmd,tsm,tsk->tsdk", xs, residual, ws) / m
         b = (b[:, None] - body_lr * grad).mean(1)
         if orthonormalize:
-            b = torch.linalg.qr(b).Q
+            b = qr_factor(b, positive_qr)
         if idx is None:
             w = ws
         else:

@@ -111,6 +111,10 @@ class Algorithm(nn.Module):
     def setup(self, global_params: Params, num_clients: int) -> None:
         """Called once before training with the initial global parameters (to size server state)."""
 
+    def bind_ground_truth(self, extras: dict[str, Tensor]) -> None:
+        """Called with the DataModule's ground truth (``FederatedData.extras``, e.g. ``B_star``). Only algorithms
+        with an exact (population-gradient) option use it; they must never upload it."""
+
     def init_client_state(self, global_params: Params) -> Params:
         """Per-client state template, copied to every client. Default: the personal parameters."""
         return {n: global_params[n] for n in self.personal_names(global_params)}
