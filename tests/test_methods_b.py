@@ -415,3 +415,16 @@ def test_unusable_combinations_stop_before_training_with_one_line(case, tmp_path
     assert code == 2, err[-2000:]
     assert len(errors) == 1 and expected in errors[0], err[-2000:]
     assert "Traceback" not in err and not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- server state in checkpoints ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["fedproto", "feddyn"])
+def test_resume_restores_the_server_state(method, tmp_path):
+    """FedProto's global prototypes and FedDyn's h are module buffers: stopping after round 3 and resuming gives
+    the uninterrupted run's result."""
+    configs = [*DIGITS, f"configs/digits/{method}.yaml"]
+    short = ["--model.eval_every", "100", "--model.eval_last", "1"]
+    straight = train_config(configs, [*short, "--trainer.max_steps", "6"], run_dir=tmp_path / "a")
+    train_config(configs, [*short, "--trainer.max_steps", "3"], run_dir=tmp_path / "b")
+    resumed = train_config(configs, [*short, "--trainer.max_steps", "6", "--ckpt_path", "last"], run_dir=tmp_path / "b")
+    assert resumed["rounds"] == straight["rounds"] == 6 and resumed["final"] == straight["final"]
