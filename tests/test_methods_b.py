@@ -178,6 +178,15 @@ def test_moon_client_update_matches_the_reference_over_rounds():
     assert max_difference(run.global_params(), swapped) > 1e-4
 
 
+def test_moon_without_the_contrastive_term_is_fedavg():
+    from fl_lightning.algorithms import FedAvg
+
+    moon = Run(MOON(mu=0.0, local_epochs=2), aggregation="num_samples")
+    fedavg = Run(FedAvg(local_epochs=2), aggregation="num_samples")
+    assert moon.cohorts == fedavg.cohorts
+    assert_matches(moon.global_params(), fedavg.global_params(), moon.init, tol=1e-6)
+
+
 # ---- FedDyn -----------------------------------------------------------------------------------------------------
 def feddyn_client(template, theta, g, x, y, alpha, epochs, sign=-1.0):
     """argmin L_i(θ) − ⟨g_i, θ⟩ + α/2‖θ − θ^{t−1}‖² by SGD (``sign=+1``: the linear term's sign flipped)."""
