@@ -292,6 +292,24 @@ def test_fedproto_matches_the_reference_and_predicts_by_the_nearest_global_proto
     assert float((alg.global_prototypes[known] - unweighted[known]).abs().max()) > 1e-4
 
 
+def test_fedproto_uploads_only_prototypes_and_the_label_histogram(monkeypatch):
+    """What crosses the boundary, as the ledger sees it: per-class feature sums [classes, features] and per-class
+    counts equal to the client's label histogram; the ledger counts only the sums as state-dependent bytes."""
+    from fl_lightning.ledger import CommunicationLedger
+
+    seen = []
+    monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda led, r, c, t: seen.append((c, dict(t)))])
+    run = Run(FedProto(lam=0.5, local_epochs=1), rounds=2)
+    assert len(seen) == sum(len(c) for c in run.cohorts)
+    for client, upload in seen:
+        assert set(upload) == {"class_feature_sums", "class_counts"}
+        assert upload["class_feature_sums"].shape == (10, 8)
+        assert torch.equal(upload["class_counts"], torch.bincount(run.data[client][1], minlength=10).float())
+    last = run.module.ledger.history[-1]
+    assert last.state_dependent_bytes == last.uploads * 10 * 8 * 4 and last.bytes == last.uploads * (10 * 8 + 10) * 4
+    assert run.module.ledger.describe().startswith("per-class prototypes")
+
+
 def test_fedproto_finetune_trains_on_the_local_loss_with_the_global_prototypes():
     """"+FT" and new clients: the chosen parameters train on CE + λ‖φ − C̄‖² (here the whole model, full batch)."""
     torch.manual_seed(1)
