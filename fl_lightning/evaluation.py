@@ -161,9 +161,15 @@ def score_outputs(out: Tensor, y: Tensor, num_classes: int | None) -> tuple[Tens
 
 @torch.no_grad()
 def score_client(
-    net: nn.Module, fed: FederatedData, client: int, params: Params, split: str = "test"
+    net: nn.Module,
+    fed: FederatedData,
+    client: int,
+    params: Params,
+    split: str = "test",
+    predict: Callable[[nn.Module, Params, Tensor, Tensor | None], Tensor] | None = None,
 ) -> tuple[Tensor | float, int, Tensor | float]:
-    """Score ``params`` on the client's ``split`` (``test`` or ``val``), in slices of 2048 samples."""
+    """Score ``params`` on the client's ``split`` (``test`` or ``val``), in slices of 2048 samples; ``predict``
+    (an algorithm's ``Algorithm.predict``) computes the outputs, by default the network's forward."""
     x, y = fed.evaluation_split(split).client(client)
     if x.shape[0] == 0:
         return 0.0, 0, 0.0
@@ -172,7 +178,10 @@ def score_client(
     for i in range(0, x.shape[0], 2048):
         xb = x[i : i + 2048]
         sb = None if side is None else side.expand(xb.shape[0], *side.shape)
-        out = functional_call(net, params, (xb,), {"side": sb}, strict=False)
+        if predict is None:
+            out = functional_call(net, params, (xb,), {"side": sb}, strict=False)
+        else:
+            out = predict(net, params, xb, sb)
         for j, v in enumerate(score_outputs(out, y[i : i + 2048], fed.num_classes)):
             total[j] += v
     return total[0], int(total[1]), total[2]
@@ -204,9 +213,9 @@ def evaluate_clients(
                 ctx = module.client_context(c, round_idx, tag="evaluation")
                 params = algorithm.adapt_for_evaluation(ctx, params)
                 if finetune is not None:
-                    params = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)
+                    params = algorithm.finetune(ctx, params, finetune.epochs, finetune.prefixes)
                 net.eval()
-                scores.update(c, *score_client(net, module.fed, c, params, split))
+                scores.update(c, *score_client(net, module.fed, c, params, split, algorithm.predict))
     net.train(was_training)
 
 
@@ -224,6 +233,8 @@ def shared_body_applies(module: FederatedModule, finetune: FineTune | None) -> b
         and (finetune is None or all(p.startswith("head.") for p in finetune.prefixes))
         and kind.client_model is Algorithm.client_model
         and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
+        and kind.predict is Algorithm.predict
+        and kind.finetune is Algorithm.finetune
     )
 
 

@@ -46,6 +46,9 @@ PenaltyLike = Penalty | Callable[[Params], Tensor]
 #: for ONE client, written with ``torch.func`` and ``ctx.batch_loss`` so that the vectorized executor can ``vmap``
 #: it (Per-FedAvg's meta-gradient, APFL's two models). ``mask`` marks the real rows of a padded batch.
 Gradient = Callable[[Params, Tensor, Tensor, Tensor], tuple[Params, Tensor]]
+#: A minibatch loss ``(params, x, y) -> loss`` that replaces ``ClientContext.loss`` in a training phase (MOON's
+#: contrastive term and FedProto's prototype distance need the batch, not only the parameters).
+BatchLoss = Callable[[Params, Tensor, Tensor], Tensor]
 #: A ``torch.optim`` class with its init args, as a config gives it (``{class_path: torch.optim.Adam, init_args:
 #: {lr: 0.001}}``): a function ``params -> Optimizer``. The same type as ``lightning.pytorch.cli.OptimizerCallable``
 #: (spelled out here so that importing the engine does not import jsonargparse).
@@ -371,6 +374,7 @@ class ClientContext:
         gradient: Gradient | None = None,
         batch_size: int | None = None,
         min_batch: int = 1,
+        objective: BatchLoss | None = None,
     ) -> Params:
         """Train ``trainable`` for ``epochs`` epochs of minibatches with the client optimiser (momentum SGD unless
         ``model.client_optimizer`` says otherwise); everything else stays frozen.
@@ -378,9 +382,10 @@ class ClientContext:
         A fresh optimiser per phase, so no momentum or weight decay leaks into frozen parameters
         (spec 000 §8.3); with ``optimizer_state`` (kept per client across rounds) each trained parameter
         continues from its own kept state instead. ``penalty(params)`` is added to every minibatch loss
-        (FedProx, Ditto, …); ``lr`` overrides the round's learning rate. ``gradient`` replaces the minibatch
-        loss's gradient by another step direction (Per-FedAvg, APFL); batches of ``batch_size`` (default: the
-        client optimiser's) with fewer than ``min_batch`` samples are skipped. Returns a new dict; ``params`` is
+        (FedProx, Ditto, …); ``objective(params, x, y)`` replaces the minibatch loss (MOON, FedProto); ``lr``
+        overrides the round's learning rate. ``gradient`` replaces the minibatch loss's gradient by another step
+        direction (Per-FedAvg, APFL); batches of ``batch_size`` (default: the client optimiser's) with fewer than
+        ``min_batch`` samples are skipped. Returns a new dict; ``params`` is
         not modified. ``train_loss`` and ``steps_taken`` describe the phase.
         """
         out = {n: t.detach().clone() for n, t in params.items()}
@@ -406,7 +411,7 @@ class ClientContext:
                     continue
                 opt.zero_grad(set_to_none=True)
                 if gradient is None:
-                    loss = self.loss(out, x, y)
+                    loss = self.loss(out, x, y) if objective is None else objective(out, x, y)
                     if penalty is not None:
                         loss = loss + penalty(out)
                     loss.backward()

@@ -189,6 +189,7 @@ class FederatedModule(L.LightningModule):
         """Bind client data and build the client-state bank (idempotent)."""
         self.fed = fed
         glob = self.global_params()
+        self.algorithm.check_compatible(self.net, fed.num_classes)
         for prefix in self.algorithm.personal:
             if not select(list(glob), [prefix]):
                 raise ConfigError(

@@ -52,6 +52,10 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
             "FedBABU": "fedbabu",
             "FedRoD": "fedrod",
             "FedALA": "fedala",
+            "PFedMe": "pfedme",
+            "FedProto": "fedproto",
+            "MOON": "moon",
+            "FedDyn": "feddyn",
         }.items()
     },
     "LinearFedRep": (["configs/synthetic_fedrep.yaml"], []),
@@ -82,6 +86,8 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
     ),
 }
 ROUNDS = {"FedMD": 4, "AlternatingGD": 4}
+#: cheaper local work where the config's own is long (the property does not depend on it)
+RUNS["PFedMe"][1].extend(["--model.algorithm.init_args.local_steps", "3"])
 EXPORTED = sorted(
     n
     for n in algorithms.__all__
@@ -288,6 +294,7 @@ def test_ledger_refuses_state_names_and_names_outside_the_declared_upload():
 def test_algorithms_with_per_client_models_declare_their_state_prefixes():
     """Their bank names are not model parameters, so without these declarations the ledger could not refuse them."""
     expected = {"Ditto": "v.", "APFL": "v.", "L2GD": "x.", "FedMTL": "w.", "SCAFFOLD": "c_i."}
+    expected |= {"PFedMe": "theta.", "MOON": "prev.", "FedDyn": "grad."}
     for name, prefix in expected.items():
         assert getattr(algorithms, name).state_prefixes == (prefix,), name
 
@@ -330,6 +337,10 @@ def test_each_algorithms_personal_split_is_pinned_by_name():
         "FedBABU": (),
         "FedRoD": (),  # its personal head is client state (``p_head.``), not a network layer
         "FedALA": (),  # its local model and weights are client state (``local.``, ``ala_w.``)
+        "PFedMe": (),
+        "FedProto": ("body.", "head."),  # the whole model: only prototypes and counts are uploaded
+        "MOON": (),
+        "FedDyn": (),
     }
     assert set(expected) == set(EXPORTED)
     for name, personal in expected.items():

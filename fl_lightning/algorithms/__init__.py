@@ -51,3 +51,10 @@ from fl_lightning.algorithms.fedbn import FedBN  # noqa: E402
 from fl_lightning.algorithms.fedrod import FedRoD  # noqa: E402
 
 __all__ += ["FedALA", "FedBABU", "FedBN", "FedRoD"]  # issue 17's pFL baselines (methods_a)
+
+from fl_lightning.algorithms.feddyn import FedDyn  # noqa: E402
+from fl_lightning.algorithms.fedproto import FedProto  # noqa: E402
+from fl_lightning.algorithms.moon import MOON  # noqa: E402
+from fl_lightning.algorithms.pfedme import PFedMe  # noqa: E402
+
+__all__ += ["FedDyn", "FedProto", "MOON", "PFedMe"]

@@ -11,7 +11,10 @@ client-state storage, logging and distribution. An algorithm says:
 * ``init_client_state``: the per-client state template (by default the personal parameters);
 * ``client_update``: one client's local work → what it uploads and its new state;
 * ``server_update``: optional extra server math after the weighted average is applied;
-* ``client_model``: the parameters a client evaluates with (``adapt_for_evaluation`` may adapt them).
+* ``client_model``: the parameters a client evaluates with (``adapt_for_evaluation`` may adapt them);
+* ``check_compatible``: a one-line ``ConfigError`` when the method cannot use the network or the task;
+* ``predict`` and ``finetune``: how a client's outputs are computed when it is scored, and how it fine-tunes
+  ("+FT", held-out new clients); by default the network's forward and plain local SGD (FedProto changes both).
 
 Uploads whose names are model parameters or buffers are averaged and applied to the global model
 through the server optimiser (the pseudo-gradient is the negative averaged delta). Any other upload
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fl_lightning.errors import ConfigError
 from fl_lightning.local import ClientContext, Params
@@ -100,6 +104,10 @@ class Algorithm(nn.Module):
         return [n for n in params if self.is_personal(n) and n not in self.frozen]
 
     # -- hooks ------------------------------------------------------------------------------------------
+    def check_compatible(self, net: nn.Module, num_classes: int | None) -> None:
+        """Raise ``ConfigError`` (one line naming the method and what it needs) when the method cannot run on
+        ``net`` or on the task (``num_classes`` is None for regression). Called by the engine before ``setup``."""
+
     def setup(self, global_params: Params, num_clients: int) -> None:
         """Called once before training with the initial global parameters (to size server state)."""
 
@@ -126,6 +134,14 @@ class Algorithm(nn.Module):
     def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:
         """Optional local adaptation on the client's training data before it is evaluated (Per-FedAvg)."""
         return params
+
+    def predict(self, net: nn.Module, params: Params, x: Tensor, side: Tensor | None) -> Tensor:
+        """The outputs a client is scored on (logits, or predictions for regression): the network's forward."""
+        return functional_call(net, params, (x,), {"side": side}, strict=False)
+
+    def finetune(self, ctx: ClientContext, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
+        """ "+FT" and held-out new clients: ``epochs`` epochs of local SGD on the parameters under ``prefixes``."""
+        return ctx.sgd(params, ctx.params_with(prefixes), epochs)
 
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError
