@@ -84,8 +84,9 @@ class FederatedModule(L.LightningModule):
             rounds), kept so that existing configs work; when set, it overrides the trainer's interval.
         eval_last: also evaluate in each of the last ``eval_last`` rounds; the summary's ``last10`` is the
             mean over the last ``eval_last`` evaluations.
-        finetune: optional "+FT" evaluation at the end of training: the summary keeps the run's own ``final`` and
-            ``last10`` and adds ``final_ft``, so X and X+FT come from one training run.
+        finetune: optional "+FT" evaluation at the end of training: the summary's ``final`` and ``last10`` (and
+            ``final_ft``) are the fine-tuned result, ``plain_final``/``plain_last10`` the run's own, so X and X+FT
+            come from one training run.
         client_dropout: simulated faults: probability that a sampled client fails before reporting.
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
@@ -589,7 +590,7 @@ class FederatedModule(L.LightningModule):
         lower_is_better = self.fed.num_classes is None
         values = [h[key] for h in self.history]
         summary = {
-            "algorithm": type(self.algorithm).__name__,
+            "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
             "rounds": self.rounds_trained,
             "final": last.get(key, float("nan")),
             "last10": sum(h[key] for h in recent) / max(len(recent), 1),

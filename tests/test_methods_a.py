@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -548,14 +549,19 @@ def error_line(captured: str) -> str:
 
 
 # ---- the method configs on every Table-1 column (dry runs on the tiny real-format fixtures) -----------------------
+def table1_cell(column: str, method: str) -> list[Path]:
+    """A pFL baseline on a Table-1 column: the column's config, then the method's."""
+    return [Path("configs/table1") / f"{column}.yaml", Path("configs/methods") / f"{method}.yaml"]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_method_configs_run_on_every_table1_column(method, tmp_path, capsys):
     from data_fixtures import make_fixture
 
-    from experiments.table1 import REAL_COLUMNS, grid_args
+    from experiments.table1 import REAL_COLUMNS
 
     for column in REAL_COLUMNS:
-        configs, overrides = grid_args("real", column, method)
+        configs, overrides = table1_cell(column, method), []
         extra = [*overrides, *make_fixture(column, tmp_path / column), "--model.eval_last=1"]
         extra += ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
         extra += ["--model.algorithm.init_args.local_epochs=1", "--run_dir", str(tmp_path / f"run_{column}")]
@@ -574,9 +580,7 @@ def test_fedbn_configs_select_the_batchnorm_variant_of_the_columns_network():
     import yaml
 
     for column, wide in (("cifar10_100x2", False), ("cifar100_100x5", True)):
-        from experiments.table1 import grid_args
-
-        configs, _ = grid_args("real", column, "fedbn")
+        configs = table1_cell(column, "fedbn")
         merged: dict = {}
         for c in configs:
             net = yaml.safe_load(open(c))["model"].get("network", {})
