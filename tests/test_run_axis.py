@@ -232,23 +232,44 @@ def test_an_algorithm_that_reads_the_run_seed_gets_one_call_per_run():
                 assert_close_finite(got.upload[n], ref.upload[n], rtol=0, atol=1e-5, msg=n)
 
 
-def test_runs_context_minibatches_are_the_loops():
+def test_runs_context_features_are_each_runs_own():
+    """A frozen body's features in a cohort of two runs: each run's rows with its own body (one pass over the run's
+    rows when its clients hold the run's global body, exactly as the run alone computes it), each client's own body
+    when the rows are personal; against the body applied client by client."""
     g = torch.Generator().manual_seed(0)
-    sizes = [23, 9, 31, 0 + 5]
-    xs = [torch.rand(n, 6, generator=g) for n in sizes]
-    ys = [torch.randint(0, 3, (n,), generator=g) for n in sizes]
-    opt = ClientOptimizer(batch_size=4)
+    net = DigitsMLP(hidden=(8, 5))
+    slices, sizes = [(0, 2), (2, 5)], [23, 9, 31, 5, 12]
+    xs = [torch.rand(n, 64, generator=g) for n in sizes]
+    ys = [torch.randint(0, 10, (n,), generator=g) for n in sizes]
+    gens = [make_generator(3, "train", 0, k) for k in range(5)]
+    runs = RunsContext(net, range(5), xs, ys, None, ClientOptimizer(batch_size=4), per_sample_loss_for(10), gens,
+                       None, 0, 3, [1.0] * 5, rounds=[0] * 5, seeds=[3, 3, 4, 4, 4], run_slices=slices)  # fmt: skip
+    globs = [{n: torch.randn(p.shape, generator=g) for n, p in net.named_parameters()} for _ in slices]
+    cohort = {  # as run_stacked builds it: each run's global model, expanded over its clients
+        n: torch.cat([gl[n].expand(hi - lo, *gl[n].shape) for gl, (lo, hi) in zip(globs, slices)]) for n in globs[0]
+    }
+    runs.run_global = cohort
+    personal = {n: v + 0.1 * torch.randn(v.shape, generator=g) for n, v in cohort.items()}
 
-    def context(cls, **extra):
-        gens = [make_generator(3, "train", 0, k) for k in range(len(sizes))]
-        return cls(nn.Linear(6, 3), range(4), xs, ys, None, opt, per_sample_loss_for(3), gens, None, 0, 3,
-                   [1.0] * 4, **extra)  # fmt: skip
+    def body_of(params: dict, k: int) -> dict:
+        return {n[len("body.") :]: v[k] for n, v in params.items() if n.startswith("body.")}
 
-    loop = context(VectorizedContext)
-    runs = context(RunsContext, rounds=[0] * 4, seeds=[3] * 4, run_slices=[(0, 2), (2, 4)])
-    for remaining in ([9, 9, 9, 9], [2, 0, 5, 1]):
-        for a, b in zip(loop._epoch_batches(xs, remaining), runs._epoch_batches(xs, remaining)):
-            assert torch.equal(a, b)
+    for params, shared in ((cohort, True), (personal, False)):
+        body, _ = runs._body_of({n: v.detach() for n, v in params.items()})
+        assert all(runs._run_body(body, lo, hi)[1] == shared for lo, hi in slices)
+        feats = runs._features({n: v.detach() for n, v in params.items()})
+        ref = torch.cat([functional_call(net.body, body_of(params, k), (x,)) for k, x in enumerate(xs)])
+        assert_close_finite(feats, ref, rtol=1e-6, atol=1e-6)
+        x = torch.rand(5, 8, 64, generator=g)  # a block of augmented batches: [K, M, ...]
+        passed = runs._body_pass(body, False, x)
+        ref = torch.stack([functional_call(net.body, body_of(params, k), (x[k],)) for k in range(5)])
+        assert_close_finite(passed, ref, rtol=1e-6, atol=1e-6)
+    alone = []  # each run alone, its clients holding its global model (stride 0, as the engine passes it)
+    for gl, (lo, hi) in zip(globs, slices):
+        ctx = VectorizedContext(net, range(hi - lo), xs[lo:hi], ys[lo:hi], None, ClientOptimizer(batch_size=4),
+                                per_sample_loss_for(10), gens[lo:hi], None, 0, 3, [1.0] * (hi - lo))  # fmt: skip
+        alone.append(ctx._features({n: v.expand(hi - lo, *v.shape) for n, v in gl.items()}))
+    assert torch.equal(runs._features(cohort), torch.cat(alone))
 
 
 # ---- shared data ------------------------------------------------------------------------------------------------

@@ -42,8 +42,8 @@ class RunsContext(VectorizedContext):
     """A ``VectorizedContext`` over the clients of several runs (``run_slices``: each run's positions).
 
     ``seed`` and ``round`` are per run: reading them is allowed only when every run agrees. The frozen-body
-    features are computed per run exactly as a run alone computes them, and an epoch's padded minibatches are
-    gathered with one index operation (the same permutations, from the same generators, as the loop)."""
+    features are computed per run exactly as a run alone computes them; everything else (the phase's draws from
+    each client's own generator, the stacked steps) is ``VectorizedContext``'s."""
 
     def __init__(
         self,
@@ -55,7 +55,8 @@ class RunsContext(VectorizedContext):
     ) -> None:
         self.client_rounds, self.client_seeds, self.run_slices = list(rounds), list(seeds), list(run_slices)
         super().__init__(*args, **kwargs)
-        self._stacked: tuple[list[Tensor], Tensor, Tensor] | None = None
+        #: the cohort's global model ``[K, ...]`` as given to the algorithm: rows ``lo:hi`` are run ``lo:hi``'s own
+        self.run_global: Params = {}
 
     def _uniform(self, name: str, values: list[int]) -> int:
         if len(set(values)) > 1:
@@ -78,57 +79,49 @@ class RunsContext(VectorizedContext):
     def round(self, value: int) -> None:
         pass
 
-    def _features(self, params: Params) -> list[Tensor]:
-        """φ(x) per run, each with that run's body, exactly as the run alone computes it."""
+    def _run_body(self, body: Params, lo: int, hi: int) -> tuple[Params, bool]:
+        """Run ``lo:hi``'s rows of the body and whether its clients share them. Rows taken unchanged from the
+        cohort's global model (``run_global``, set by ``run_stacked``: each run's rows are copies of its own global
+        model) are shared within the run, as the engine's stride-0 global is for a run alone (found from the
+        tensors' addresses and strides, without reading the device)."""
+        if body and all(_same_view(v, self.run_global.get("body." + n)) for n, v in body.items()):
+            return {n: v[lo].expand(hi - lo, *v.shape[1:]) for n, v in body.items()}, True
+        mine = {n: v[lo:hi] for n, v in body.items()}
+        return mine, all(v.stride(0) == 0 for v in mine.values())
+
+    @torch.no_grad()
+    def _features(self, params: Params) -> Tensor:
+        """φ(x) of every client's training rows (``data`` order), run by run with that run's body, exactly as the
+        run alone computes them (one pass over the run's rows when its clients share the body)."""
+        body, _ = self._body_of(params)
         out: list[Tensor] = []
         for lo, hi in self.run_slices:
             if lo == hi:
                 continue
-            part = VectorizedContext(
-                self.net, self.clients[lo:hi], self.xs[lo:hi], self.ys[lo:hi], None, self.optimizer,
-                self.per_sample_loss, self.generators[lo:hi], None, 0, 0, self.step_budgets[lo:hi],
-            )  # fmt: skip
-            out += part._features({n: v[lo:hi] for n, v in params.items()})
-        self.feature_passes += 1
-        return out
-
-    def _epoch_batches(
-        self, inputs: Sequence[Tensor], remaining: Sequence[int]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``VectorizedContext._epoch_batches`` without a Python loop over batches (augmentation, drawn batch by
-        batch from the client's generator, keeps the loop): same permutations, same padded tensors."""
-        if self.augment is not None and inputs is self.xs:
-            return super()._epoch_batches(inputs, remaining)
-        bs, k = self.optimizer.batch_size, self.num_clients
-        sizes = [x.shape[0] for x in inputs]
-        num_batches = [min(-(-n // bs), r) for n, r in zip(sizes, remaining)]
-        b_max = max(num_batches)
-        if self._stacked is None or self._stacked[0] is not inputs:
-            flat = torch.cat([*inputs, inputs[0].new_zeros(1, *inputs[0].shape[1:])])  # last row: padding
-            labels = torch.cat([*self.ys, self.ys[0].new_zeros(1)])  # features keep the rows of xs
-            self._stacked = (inputs, flat, labels)
-        _, flat, labels = self._stacked
-        device = flat.device
-        takes, offset = [], 0
-        for n, nb, g in zip(sizes, num_batches, self.generators):
-            if nb > 0:
-                perm = torch.randperm(n, generator=g)
-                takes.append(perm[: min(n, nb * bs)] + offset)
+            mine, shared = self._run_body(body, lo, hi)
+            if shared:
+                start, stop = self.offsets[lo], self.offsets[hi - 1] + self.sizes[hi - 1]
+                out.append(self._body_pass(mine, True, self.data[0][start:stop].unsqueeze(0))[0])
             else:
-                takes.append(torch.zeros(0, dtype=torch.long))
-            offset += n
-        lengths = torch.tensor([len(t) for t in takes])
-        source = torch.cat(takes)
-        first = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-        slot = torch.arange(len(source)) - first + torch.repeat_interleave(torch.arange(k) * (b_max * bs), lengths)
-        index = torch.full((k * b_max * bs,), offset, dtype=torch.long)  # ``offset`` is the padding row
-        index[slot] = source
-        index = index.to(device)
-        x_out = flat[index].view(k, b_max, bs, *flat.shape[1:])
-        y_out = labels[index].view(k, b_max, bs)
-        mask = (index != offset).view(k, b_max, bs).to(torch.get_default_dtype())
-        active = torch.arange(b_max, device=device)[None, :] < torch.tensor(num_batches, device=device)[:, None]
-        return x_out, y_out, mask, active
+                out += [self._body_rows(unstack(mine, k), self.xs[lo + k]) for k in range(hi - lo)]
+        return torch.cat(out) if out else self.data[0].new_zeros(0)
+
+    @torch.no_grad()
+    def _body_pass(self, body: Params, shared: bool, x: Tensor) -> Tensor:
+        """``VectorizedContext._body_pass`` run by run: ``x[lo:hi]`` with run ``lo:hi``'s body (one pass over the
+        run's rows when its clients share it)."""
+        if shared or not self.run_slices:
+            return super()._body_pass(body, shared, x)
+        out = []
+        for lo, hi in self.run_slices:
+            if lo < hi:
+                out.append(super()._body_pass(*self._run_body(body, lo, hi), x[lo:hi]))
+        return torch.cat(out)
+
+
+def _same_view(a: Tensor, b: Tensor | None) -> bool:
+    """Whether ``a`` is ``b`` (or a detached view of all of it): same memory, shape and strides."""
+    return b is not None and a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
 
 
 @dataclass
@@ -238,16 +231,17 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     keep = first.keep_client_optimizer_state
     ctx.optimizer_state = stack(kept) if keep else None
     glob = globs[0] if len(globs) == 1 else {n: torch.cat([g[n] for g in globs]) for n in globs[0]}
+    ctx.run_global = glob
     upd = first.algorithm.client_update(ctx, glob, stack(states) if states[0] else {})
     new_kept = ctx.optimizer_state or {}
-    num_samples, losses = upd.num_samples.tolist(), torch.as_tensor(upd.loss).tolist()
     for r, (lo, hi) in enumerate(slices):
-        out[r] = [
+        out[r] = [  # as FederatedModule.run_clients: sizes from the host, losses stay on the device
             ClientUpdate(
                 unstack(upd.upload, j),
                 {**unstack(upd.state, j), **unstack(new_kept, j)},
-                int(num_samples[j]),
-                losses[j],
+                ctx.num_samples[j],
+                upd.loss[j],
+                {name: v[j] for name, v in upd.metrics.items()},
             )
             for j in range(lo, hi)
         ]
