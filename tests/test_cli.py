@@ -69,8 +69,23 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gives_a_one_line_error(case):
+def test_bad_input_gives_a_one_line_error(case, monkeypatch, capsys):
+    """In this process (``fl_lightning.cli.main``, what train.py calls); the real entry point is checked below."""
+    from fl_lightning.cli import main
+
     args, expected = BAD_INPUTS[case]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    code = main([*QUICK, "--trainer.max_steps", "1", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_train_py_itself_gives_the_one_line_error_and_exit_code_2():
+    args, expected = BAD_INPUTS["unknown key"]
     out = train(*QUICK, "--trainer.max_steps", "1", *args)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
