@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(PY) train.py --config configs/quickstart.yaml
+	$(PY) train.py --config configs/quickstart.yaml --overwrite true
 
 test: $(STAMP)
 	WANDB_MODE=disabled $(PY) -m pytest tests
