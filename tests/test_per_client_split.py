@@ -52,3 +52,15 @@ def test_takes_uses_groups_from_its_inner_partition():
     assert PerClientSplit(Dirichlet()).uses_groups is False
     natural = type("Grouped", (OneClient,), {"uses_groups": True})()
     assert PerClientSplit(natural).uses_groups is True
+
+
+def test_natural_inside_sees_only_the_training_pool_when_counting_owner_sizes():
+    from datamodules.partition import Natural
+
+    # owner 0 has 2 samples, owners 1 and 2 have 3: with min_samples = 3 only owners 1 and 2 are clients (id order)
+    groups = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+    labels = torch.zeros(8, dtype=torch.long)
+    split_natural = PerClientSplit(Natural(min_samples=3), test_fraction=0.0)
+    train, test = split_natural(labels, labels[:0], 2, np.random.default_rng(0), train_groups=groups)
+    assert [t.tolist() for t in train] == [[2, 3, 4], [5, 6, 7]]
+    assert all(len(t) == 0 for t in test)
