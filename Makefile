@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits bench clean
+.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits bench mutation mutation-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,5 +46,21 @@ reproduce: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench
 
+# mutation testing ([tool.mutmut] in pyproject.toml; not part of `make test` or CI). Incremental: mutants/ keeps every
+# verdict and only functions whose source changed are re-tested; MUTANTS="fl_lightning.metrics*" re-tests those by name
+# (after adding tests that should kill survivors). Then prints the kill rate per module (tools/mutation_report.py).
+MUTATION_STAMP := $(VENV)/.installed-mutation
+MUTANTS ?=
+$(MUTATION_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[test,mutation]"
+	touch $(MUTATION_STAMP)
+
+mutation: $(MUTATION_STAMP)
+	OMP_NUM_THREADS=1 WANDB_MODE=disabled $(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
+	$(PY) tools/mutation_report.py
+
+mutation-report: $(STAMP)
+	$(PY) tools/mutation_report.py --survivors
+
 clean:
-	rm -rf runs results wandb lightning_logs
+	rm -rf runs results wandb lightning_logs mutants

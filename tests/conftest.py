@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 import lightning as L
 import pytest
@@ -46,6 +48,19 @@ def _torchvision_reads_test_written_cifar():
     with pytest.MonkeyPatch.context() as patch:
         skip_cifar_md5(patch)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_on_an_open_stream():
+    """A ``StreamHandler`` keeps the ``sys.stderr`` of the moment it was made (Lightning makes one on import). When
+    pytest runs several times in one process (mutmut: stats, clean run, then every mutant), that stream is an earlier
+    run's closed capture, and each log line would print a "Logging error" traceback; point such handlers at the
+    current ``sys.stderr``."""
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # train.py in subprocesses: out of mutmut's per-function test selection
+
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", "configs/quickstart.yaml", "--trainer.enable_progress_bar", "false"]
 

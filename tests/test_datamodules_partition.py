@@ -138,6 +138,7 @@ def report_cli(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_report_cli_help_and_a_digits_run_in_another_process(tmp_path):
     """``python -m datamodules.report`` parses like train.py (jsonargparse: --help, the quickstart config with
     its trainer/model/wandb sections, dotted --data overrides) and prints the hash this process computes."""
@@ -257,6 +258,7 @@ def test_fedrep_end_to_end_through_train(tmp_path, column):
     assert hparams["partition/hash"] == report["hash"]
 
 
+@pytest.mark.slow
 def test_missing_data_is_one_line_error_through_train(tmp_path):
     method = tmp_path / "fedrep.yaml"
     method.write_text("model:\n  algorithm:\n    class_path: fl_lightning.algorithms.FedRep\n")

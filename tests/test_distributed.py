@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     return run(1, tmp / "one.pt"), run(2, tmp / "two.pt")
 
 
+@pytest.mark.slow  # DDP in subprocesses: out of mutmut's per-function test selection
 def test_two_cpu_processes_match_one(runs):
     one, two = runs
     expected = {"fedavg", "fedrep", "scaffold_vectorized", "ditto_cnn_augment_vmap", "fedbn", "fedala", "fedrod"}
@@ -53,6 +54,7 @@ def test_two_cpu_processes_match_one(runs):
             assert_close_finite(two[name]["bank"][n], rows, rtol=0, atol=1e-6, msg=f"{name} bank {n}")
 
 
+@pytest.mark.slow  # DDP in subprocesses: out of mutmut's per-function test selection
 def test_ranks_send_no_client_bank_and_only_their_own_clients_rows(runs):
     _, two = runs
     for name, r in two.items():

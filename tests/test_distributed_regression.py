@@ -14,6 +14,8 @@ from helpers import assert_close_finite
 from test_lowrank_mf import SMALL_SYNTHETIC_ARGS
 from test_mixed_regression import SMALL_FEDMD_ARGS
 
+pytestmark = pytest.mark.slow  # train.py in subprocesses: out of mutmut's per-function test selection
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MIXED = [

@@ -202,6 +202,7 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, capsys):
     assert "fedavg" in captured.out and "results:" in captured.out
 
 
+@pytest.mark.slow
 def test_interrupt_then_rerun_finishes_only_the_unfinished_runs(tmp_path):
     """Ctrl-C (SIGINT) in the middle of the grid, then the same command: finished runs are not redone, the
     interrupted one resumes from its checkpoint, the rest start."""
@@ -363,6 +364,7 @@ def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tmp_path, mon
         assert r.summary["val/acc_mean"] == pytest.approx(final, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_jobs_runs_workers_with_a_log_each(tmp_path, capsys):
     data = tiny(rounds=2)
     data["axes"]["method"] = {"fedavg": f"{DIGITS}/fedavg.yaml"}

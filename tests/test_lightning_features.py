@@ -135,6 +135,7 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_validate_subcommand_reproduces_the_final_logged_accuracy(finished_run):
     logged = [float(r["val/acc_mean"]) for r in csv_rows(finished_run / "metrics.csv") if r.get("val/acc_mean")]
     last_logged = logged[-1]
@@ -312,6 +313,7 @@ def test_client_chunks_cover_every_client_once_with_the_same_count_on_every_rank
 
 
 # ---- console -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_normal_run_is_quiet_and_prints_one_line_per_round_outside_a_terminal(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1")
@@ -329,6 +331,7 @@ def test_a_normal_run_is_quiet_and_prints_one_line_per_round_outside_a_terminal(
     assert "\r" not in out.stdout
 
 
+@pytest.mark.slow
 def test_help_lists_the_subcommands_without_loading_torch():
     code = "import sys; from fl_lightning.cli import main; main(['--help']); "
     code += "print(sorted({'torch', 'lightning'} & set(sys.modules)))"

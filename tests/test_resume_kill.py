@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # train.py in subprocesses: out of mutmut's per-function test selection
+
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = [
     "--config",

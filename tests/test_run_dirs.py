@@ -125,6 +125,7 @@ def test_a_run_dir_holds_one_run(tmp_path, capsys):
     assert "holds an unfinished run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path):
     rounds = ["--trainer.max_steps", "12", "--checkpoint_every", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -162,12 +161,3 @@ class Algorithm(nn.Module):
             loss=loss,
         )
 
-
-def local_optimizer(ctx: ClientContext, leaves: dict[str, Tensor]) -> torch.optim.SGD:
-    """The run's local SGD (lr, momentum, weight decay) over ``leaves`` for algorithms that step by hand (APFL,
-    Per-FedAvg); with ``decay_bias=False`` biases get no weight decay, as in ``ClientContext.sgd``."""
-    settings = ctx.optimizer
-    decayed = [v for n, v in leaves.items() if settings.decay_bias or not n.endswith("bias")]
-    plain = [v for n, v in leaves.items() if not settings.decay_bias and n.endswith("bias")]
-    groups = [{"params": decayed, "weight_decay": settings.weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return torch.optim.SGD([g for g in groups if g["params"]], lr=settings.lr, momentum=settings.momentum)
