@@ -36,6 +36,8 @@ def test_stratify_cuts_every_class_and_plain_cut_does_not():
     # round(0.1 · 10) = 1 test sample in all; per class round(0.1 · 5) = 0, raised to 1 so each side keeps a sample
     train, test = split(test_fraction=0.1, stratify=False)
     assert len(test) == 1
+    train, test = split(test_fraction=0.1)  # not stratified unless asked
+    assert len(test) == 1
     train, test = split(test_fraction=0.1, stratify=True)
     assert len(test) == 2 and sorted(LABELS[test].tolist()) == [0, 1]
 
