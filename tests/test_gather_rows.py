@@ -58,15 +58,17 @@ def run_ranks(rows_by_rank, layout):
 def test_every_rank_gets_all_rows_in_rank_order_whatever_the_dtypes():
     layout = [[0, 2, 3], [1]]  # rank 0 holds cohort positions 0, 2, 3; rank 1 holds position 1
     g = torch.Generator().manual_seed(0)
-    # two float32 tensors of different shapes travel in one all-gather; int64 and float64 in their own
+    # three float32 tensors of different shapes travel in one all-gather; int64 and float64 in their own
     rank0 = {"head.w": torch.randn(3, 2, 4, generator=g), "head.b": torch.randn(3, 5, generator=g),
+             "v.c": torch.randn(3, 3, generator=g),
              "steps": torch.tensor([5, 6, 7]), "v.b": torch.randn(3, 2, generator=g, dtype=torch.float64)}  # fmt: skip
     rank1 = {"head.w": torch.randn(1, 2, 4, generator=g), "head.b": torch.randn(1, 5, generator=g),
+             "v.c": torch.randn(1, 3, generator=g),
              "steps": torch.tensor([9]), "v.b": torch.randn(1, 2, generator=g, dtype=torch.float64)}  # fmt: skip
     results = run_ranks([rank0, rank1], layout)
     for rows, positions in results:
         assert positions == [0, 2, 3, 1]
-        assert set(rows) == {"head.w", "head.b", "steps", "v.b"}
+        assert set(rows) == {"head.w", "head.b", "v.c", "steps", "v.b"}
         for n in rows:
             expected = torch.cat([rank0[n], rank1[n]])
             assert rows[n].dtype == expected.dtype and rows[n].shape == expected.shape
