@@ -139,16 +139,22 @@ def gather_rows(strategy: Any, rows: Params, layout: Sequence[Sequence[int]]) ->
     some = next(iter(rows.values()))
     keep_t = to_device(torch.tensor(keep, dtype=torch.long), some.device)
     for names in by_dtype.values():
-        mine = torch.cat([rows[n].reshape(rows[n].shape[0], -1) for n in names], dim=1)
+        # explicit widths: a rank that holds no client of this round has 0 rows (reshape(0, -1) is ambiguous)
+        mine = torch.cat([rows[n].reshape(rows[n].shape[0], _row_size(rows[n])) for n in names], dim=1)
         padded = mine.new_zeros(width, mine.shape[1])
         padded[: mine.shape[0]] = mine
         gathered = strategy.all_gather(padded).reshape(-1, mine.shape[1]).index_select(0, keep_t)
         i = 0
         for n in names:
-            size = rows[n][0].numel() if rows[n].shape[0] else int(torch.Size(rows[n].shape[1:]).numel())
+            size = _row_size(rows[n])
             out[n] = gathered[:, i : i + size].reshape(len(keep), *rows[n].shape[1:])
             i += size
     return out, positions
+
+
+def _row_size(t: Tensor) -> int:
+    """Elements per row of ``t`` ``[K, ...]``, also when ``K`` is 0."""
+    return int(torch.Size(t.shape[1:]).numel())
 
 
 def _rows(mask: Tensor, like: Tensor) -> Tensor:

@@ -84,3 +84,13 @@ def test_no_rows_or_no_clients_gather_nothing():
     assert positions == [] and rows["head.w"].shape == (0, 3)
     rows, positions = gather_rows(NoCollective(), {}, [[0], [1]])
     assert positions == [0, 1] and rows == {}
+
+
+def test_a_rank_without_clients_this_round_still_takes_part():
+    """A cohort smaller than the number of ranks leaves a rank with no rows; it sends padding and gets the others'."""
+    layout = [[0], []]
+    rank0 = {"head.w": torch.arange(6.0).view(1, 2, 3), "steps": torch.tensor([4])}
+    rank1 = {"head.w": torch.zeros(0, 2, 3), "steps": torch.zeros(0, dtype=torch.long)}
+    for rows, positions in run_ranks([rank0, rank1], layout):
+        assert positions == [0]
+        assert torch.equal(rows["head.w"], rank0["head.w"]) and torch.equal(rows["steps"], rank0["steps"])
