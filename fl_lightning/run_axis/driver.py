@@ -17,10 +17,7 @@ hyper-parameters) still share the lockstep and train in their own call of each s
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import sys
 import threading
 import traceback
@@ -45,44 +42,12 @@ class RunOutcome:
     error: str = ""
 
 
-class _Parsed(Exception):
-    def __init__(self, config: Any) -> None:
-        super().__init__("parsed")
-        self.config = config
-
-
 def parse_config(args: Sequence[str]) -> dict[str, Any]:
-    """``train.py args`` parsed with train.py's parser, nothing instantiated: the resolved config as a dict."""
-    from jsonargparse import ArgumentError
+    """``train.py args`` parsed with train.py's parser, nothing instantiated: the resolved config as a dict (the
+    experiment runner's parse-only check, :func:`fl_lightning.experiment.validation.parse_train_args`)."""
+    from fl_lightning.experiment.validation import parse_train_args
 
-    from datamodules.base import FederatedDataModule
-    from fl_lightning import cli
-    from fl_lightning.module import FederatedModule
-
-    args = list(args)
-    cli.check_config_files(args)
-
-    class ParseOnly(cli._make_cli_class()):
-        def before_instantiate_classes(self) -> None:
-            raise _Parsed(self.config)
-
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    logging.disable(logging.INFO)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            ParseOnly(
-                FederatedModule, FederatedDataModule, subclass_mode_data=True, run=False, args=args,
-                trainer_defaults=cli.TRAINER_DEFAULTS, auto_configure_optimizers=False,
-                parser_kwargs={"exit_on_error": False},
-            )  # fmt: skip
-    except _Parsed as done:
-        return done.config.as_dict()
-    except (ArgumentError, TypeError, ValueError) as exc:
-        raise ConfigError(cli._one_line(exc)) from None
-    finally:
-        sys.argv = argv
-        logging.disable(logging.NOTSET)
-    raise RuntimeError("LightningCLI returned without parsing")  # pragma: no cover
+    return parse_train_args(list(args))
 
 
 def batch_signature(config: dict[str, Any]) -> dict[str, str]:
