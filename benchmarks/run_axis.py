@@ -119,8 +119,9 @@ def mixed_regression(args: argparse.Namespace, records: list, rows: list) -> Non
     with time_parts() as parts:
         (loop, l_wall, l_cpu), (batch, b_wall, b_cpu), diff = compare_seed_batching("C1", seeds, rounds, timed)
     print(f"  mixed_regression loop wall {l_wall:7.1f} s  batched wall {b_wall:7.1f} s", flush=True)
-    spent = ", ".join(f"{k} {v / seeds:.2f}" for k, v in parts["batched"].items())
-    print(f"  batched job, CPU seconds per seed: {spent} (total {b_cpu / seeds:.2f})")
+    for name, cpu in (("loop", l_cpu), ("batched", b_cpu)):
+        spent = ", ".join(f"{k} {v / seeds:.3f}" for k, v in parts[name].items())
+        print(f"  {name}, CPU seconds per seed: {spent} (total {cpu / seeds:.3f})")
     for part, value in parts["batched"].items():
         records.append(record("run_axis", "mixed_regression batched", f"cpu_s_per_seed:{part}", value / seeds,
                               setting=setting))  # fmt: skip
@@ -240,11 +241,14 @@ def time_parts():
 
     from experiments import mixed_regression as mr
 
-    names = {"assign_clusters": "assignments", "fedmd_phase1": "Phase 1", "kmeans": "k-means",
-             "local_estimate": "least squares"}  # fmt: skip
+    hooks = [(mr, "assign_clusters", "assignments"), (mr.SeedsFedX, "_assign", "assignments"),
+             (mr, "fedmd_phase1", "Phase 1"), (mr, "fedmd_phase1_seeds", "Phase 1"),
+             (mr, "local_estimate", "least squares"), (mr, "least_squares_seeds", "least squares"),
+             (mr, "kmeans", "k-means"), (mr.AffineFedX, "__init__", "client SVDs"),
+             (mr.AffineFedX, "_move", "cluster sums"), (mr.SeedsFedX, "_move", "cluster sums")]  # fmt: skip
     parts: dict[str, collections.Counter] = {"loop": collections.Counter(), "batched": collections.Counter()}
     phase = {"now": "loop"}
-    saved = {n: getattr(mr, n) for n in names} | {"run_seeds": mr.run_seeds, "svd": mr.AffineFedX.__init__}
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in hooks] + [(mr, "run_seeds", mr.run_seeds)]
 
     def wrap(fn, label):
         def timed_fn(*a, **k):
@@ -258,18 +262,16 @@ def time_parts():
 
     def batched(*a, **k):
         phase["now"] = "batched"
-        return saved["run_seeds"](*a, **k)
+        return saved[-1][2](*a, **k)
 
-    for n, label in names.items():
-        setattr(mr, n, wrap(saved[n], label))
-    mr.AffineFedX.__init__ = wrap(saved["svd"], "client SVDs")
+    for owner, name, label in hooks:
+        setattr(owner, name, wrap(getattr(owner, name), label))
     mr.run_seeds = batched
     try:
         yield parts
     finally:
-        for n in names:
-            setattr(mr, n, saved[n])
-        mr.AffineFedX.__init__, mr.run_seeds = saved["svd"], saved["run_seeds"]
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def _clear(run_dir: Path) -> None:
@@ -307,4 +309,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

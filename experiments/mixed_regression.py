@@ -112,24 +112,34 @@ def fedmd_phase1(
 ) -> tuple[Tensor, list[Tensor], Tensor]:
     """Phase 1 as ``FedMD`` runs it (svd subspace, exact SVD of A): returns (θ̂ [k, d], centres per
     iteration, anchor ids)."""
-    sizes, ptr = problem["sizes"], problem["ptr"]
     h = num_anchors or default_num_anchors(k)
-    candidates = (sizes >= anchor_min_samples).nonzero().flatten()
-    perm = torch.randperm(len(candidates), generator=make_generator(seed, "fedmd-anchors"))
-    anchors = candidates[perm[:h]].sort().values
+    anchors = draw_anchors(problem["sizes"], h, anchor_min_samples, seed)
     models = theta0.repeat(h, 1)
     history = []
     for _ in range(iters):
         basis = top_subspace(batched_pair_moment(groups, models, pairing), k)
-        new = models.clone()
-        for j, c in enumerate(anchors.tolist()):
-            lo, hi = int(ptr[c]), int(ptr[c + 1])
-            new[j], _ = anchor_step(
-                problem["x"][lo:hi], problem["y"][lo:hi], models[j], basis[j], 0, step_scale, 0.0, pairing
-            )
-        models = new
+        models = anchor_steps(problem, anchors, models, basis, step_scale, pairing)
         history.append(group_anchors(models, k)[1])
     return history[-1], history, anchors
+
+
+def draw_anchors(sizes: Tensor, h: int, anchor_min_samples: int, seed: int) -> Tensor:
+    """FedMD's registration round: ``h`` anchors drawn among the clients with ≥ ``anchor_min_samples`` points."""
+    candidates = (sizes >= anchor_min_samples).nonzero().flatten()
+    perm = torch.randperm(len(candidates), generator=make_generator(seed, "fedmd-anchors"))
+    return candidates[perm[:h]].sort().values
+
+
+def anchor_steps(
+    problem: dict[str, Tensor], anchors: Tensor, models: Tensor, basis: Tensor, step_scale: float, pairing: str
+) -> Tensor:
+    """Every anchor's step (spec 001 §2.1 steps 11–15) on its own points: models [H, d], basis [H, d, k] → [H, d]."""
+    ptr, new = problem["ptr"], models.clone()
+    for j, c in enumerate(anchors.tolist()):
+        lo, hi = int(ptr[c]), int(ptr[c + 1])
+        x, y = problem["x"][lo:hi], problem["y"][lo:hi]
+        new[j], _ = anchor_step(x, y, models[j], basis[j], 0, step_scale, 0.0, pairing)
+    return new
 
 
 class AffineFedX:
@@ -142,11 +152,12 @@ class AffineFedX:
         self, groups: list[tuple[Tensor, Tensor, Tensor]], k: int, lr: float, steps: int, solver: str = "gd"
     ) -> None:
         self.groups, self.k = groups, k
-        self.parts = []
+        self.parts, self.svd = [], []
         d = groups[0][0].shape[-1]
         dtype = groups[0][0].dtype
         for x, y, w in groups:
             u, sv, wt = torch.linalg.svd(x, full_matrices=False)  # x = U diag(sv) Wᵀ
+            self.svd.append((u, sv, wt))
             basis = wt.transpose(1, 2)  # [B, d, r]
             lam, a = sv**2, lr / x.shape[1]
             h = (1 - a * lam) ** steps - 1 if solver == "gd" else 1 / (1 + a * lam) - 1  # M − I on range(W)
@@ -268,55 +279,116 @@ def run_seed(
 
 # ---- every seed of a setting as one batched job ------------------------------------------------------------------
 
+#: the assignment bounds' safety margin, a fraction of ‖y_i‖ + ‖X_i‖_F max_j ‖θ_j‖ (``SeedsFedX.round``)
+BOUND_MARGIN = 1e-8
+#: σ_max(X_i) from the SVD, enlarged so that every increment of a bound also covers its own rounding
+SPECTRAL_SLACK = 1 + 1e-6
+
 
 class SeedsFedX:
     """``AffineFedX`` for S seeds of one setting at once: the same rounds with a leading seed dimension.
 
     The seeds share the client sizes, so their client groups stack into ``x [S, B, n, d]``. The clients' SVDs
-    (``AffineFedX.parts``) are computed once per seed and shared by every method's rounds. Each seed's
-    assignment uses ``assign_clusters`` on its own slice and its cluster sums move exactly as ``AffineFedX._move``
-    moves them, so every number equals the seed's own ``AffineFedX`` (``tests/test_mixed_regression.py``); what is
-    batched is the rest of a round: the change bookkeeping, the cluster update and the distance to θ*."""
+    (``AffineFedX.svd``) are computed once per seed and shared by every method's rounds, and so are the clients'
+    terms wᵢ(M_i − I) [d, d] of the cluster sums (eq. (11)), which a round adds to (removes from) the sums of the
+    clusters its clients join (leave), for all seeds in one ``index_add_``. A client's assignment (eq. (8)) is
+    computed with ``assign_clusters``' floats, but only when bounds cannot prove it unchanged (``round``). So the
+    assignments are the seed's own ``AffineFedX``'s, and θ equals its θ up to float64 rounding (the cluster sums
+    are summed in another order; ``tests/test_mixed_regression_seeds.py``)."""
 
     def __init__(self, per_seed: list[AffineFedX]) -> None:
         groups = range(len(per_seed[0].groups))
         self.x = [torch.stack([f.groups[g][0] for f in per_seed]) for g in groups]
         self.y = [torch.stack([f.groups[g][1] for f in per_seed]) for g in groups]
-        self.parts = [tuple(torch.stack([f.parts[g][i] for f in per_seed]) for i in range(3)) for g in groups]
+        self.terms, self.shifts = [], []  # wᵢ(M_i − I) [S, B, d, d] and wᵢcᵢ [S, B, d]
+        for g in groups:
+            basis, wh, wc = (torch.stack([f.parts[g][i] for f in per_seed]) for i in range(3))
+            self.terms.append((basis * wh.unsqueeze(-2)) @ basis.mT)
+            self.shifts.append(wc)
+        singular = [torch.stack([f.svd[g][1] for f in per_seed]) for g in groups]  # [S, B, r]
+        self.spectral = [SPECTRAL_SLACK * sv[..., 0] for sv in singular]  # σ_max(X_i)
+        self.sizes = [(sv.square().sum(-1).sqrt(), y.norm(dim=-1)) for sv, y in zip(singular, self.y)]  # ‖X_i‖_F, ‖y_i‖
         self.num_seeds = len(per_seed)
 
     def start(self, k: int) -> None:
         s, d = self.num_seeds, self.x[0].shape[-1]
         self.z = [torch.full(x.shape[:2], -1, dtype=torch.long) for x in self.x]
+        self.upper = [torch.zeros(x.shape[:2], dtype=x.dtype) for x in self.x]
+        self.lower = [torch.zeros(x.shape[:2], dtype=x.dtype) for x in self.x]
+        self.bounded: Tensor | None = None  # the θ the bounds hold for
+        self.evaluated = 0  # clients whose residuals were computed (the rest were proven unchanged)
         self.mat = torch.zeros(s, k, d, d, dtype=self.x[0].dtype)
         self.vec = torch.zeros(s, k, d, dtype=self.x[0].dtype)
 
-    def _move(self, g: int, s: int, idx: Tensor, sign: float, clusters: Tensor) -> None:
-        basis, wh, wc = (p[s] for p in self.parts[g])
-        for j in clusters.unique().tolist():
-            sel = idx[clusters == j]
-            b = basis[sel]
-            flat = (b * wh[sel].unsqueeze(1)).transpose(0, 1).reshape(b.shape[1], -1)
-            self.mat[s, j] += sign * flat @ b.transpose(0, 1).reshape(b.shape[1], -1).T
-            self.vec[s, j] += sign * wc[sel].sum(0)
+    def _move(self, g: int, z: Tensor) -> None:
+        """Clients whose cluster changed to ``z`` [S, B] leave their old cluster's sums and join their new one's."""
+        k, d = self.mat.shape[1], self.mat.shape[-1]
+        mat, vec = self.mat.view(-1, d, d), self.vec.view(-1, d)
+        if bool((self.z[g] < 0).all()):  # the first round: every client joins, none leaves
+            rows = (torch.arange(len(z)).unsqueeze(1) * k + z).flatten()
+            mat.index_add_(0, rows, self.terms[g].flatten(0, 1))
+            vec.index_add_(0, rows, self.shifts[g].flatten(0, 1))
+            return
+        seed, client = (z != self.z[g]).nonzero(as_tuple=True)
+        if len(seed):
+            terms, shifts = self.terms[g][seed, client], self.shifts[g][seed, client]
+            for rows, sign in ((seed * k + self.z[g][seed, client], -1.0), (seed * k + z[seed, client], 1.0)):
+                mat.index_add_(0, rows, terms, alpha=sign)
+                vec.index_add_(0, rows, shifts, alpha=sign)
+
+    def _assign(self, g: int, theta: Tensor, drift: Tensor | None, margin: Tensor) -> Tensor:
+        """Eq. (8) for every seed's clients of group ``g``, recomputed only where the bounds allow a change."""
+        z = self.z[g].clone()
+        if drift is None:
+            redo = torch.ones_like(z, dtype=torch.bool)
+        else:
+            self.upper[g] += self.spectral[g] * drift.gather(1, z)
+            self.lower[g] -= self.spectral[g] * drift.amax(1, keepdim=True)
+            redo = self.lower[g] - self.upper[g] <= 2 * margin
+        dense = redo.sum(1) > redo.shape[1] // 4  # seeds for which one pass over all their clients is cheaper
+        for s in dense.nonzero().flatten().tolist():
+            x, y = self.x[g][s], self.y[g][s]
+            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,kd->bnk", x, theta[s])) ** 2).sum(1)  # assign_clusters'
+            self._restart(g, z, s, slice(None), residual, margin)
+        seed, client = (redo & ~dense.unsqueeze(1)).nonzero(as_tuple=True)
+        if len(seed):
+            x, y = self.x[g][seed, client], self.y[g][seed, client]
+            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,bkd->bnk", x, theta[seed])) ** 2).sum(1)  # the same floats
+            self._restart(g, z, seed, client, residual, margin)
+        return z
+
+    def _restart(self, g: int, z: Tensor, seed: Any, client: Any, residual: Tensor, margin: Tensor) -> None:
+        """Clients (seed, client) choose by their ``residual`` [R, k]; their bounds restart there, ± ``margin``."""
+        self.evaluated += len(residual)
+        z[seed, client] = residual.argmin(-1)
+        best, second = residual.topk(2, largest=False).values.sqrt().unbind(-1)
+        self.upper[g][seed, client] = best + margin[seed, client]
+        self.lower[g][seed, client] = second - margin[seed, client]
 
     def round(self, theta: Tensor, labels: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
-        """One FedX round of every seed: ``theta [S, k, d]``; ``labels`` (fixed assignments) ``[S, B]`` per group."""
+        """One FedX round of every seed: ``theta [S, k, d]``; ``labels`` (fixed assignments) ``[S, B]`` per group.
+
+        Assignments skip the clients whose choice provably cannot change (Elkan's bounds for k-means): with
+        r_j = ‖y_i − X_iθ_j‖, each client keeps an upper bound u ≥ r_z of its chosen model and a lower bound
+        ℓ ≤ min_{j≠z} r_j, and as |r_j(θ') − r_j(θ)| ≤ σ_max(X_i)‖θ'_j − θ_j‖, a round adds σ_max‖Δθ_z‖ to u and
+        takes σ_max max_j ‖Δθ_j‖ from ℓ. While ℓ − u > 2m, with m = ``BOUND_MARGIN``·(‖y_i‖ + ‖X_i‖_F max_j ‖θ_j‖),
+        z is still the strict argmin of the residuals as ``assign_clusters`` computes them: their rounding error,
+        and that of the bounds, is below 1e-13 of that scale, far inside m. Otherwise the residuals are computed
+        (the same floats as ``assign_clusters``) and the bounds restart from them, widened by m."""
+        k = theta.shape[1]
+        if labels is None and k > 1:
+            drift = None if self.bounded is None else (theta - self.bounded).norm(dim=-1)  # [S, k]
+            scale = theta.norm(dim=-1).amax(-1, keepdim=True)  # [S, 1]
+            self.bounded = theta
         for g in range(len(self.x)):
             if labels is not None:
                 z = labels[g]
-            elif theta.shape[1] == 1:  # one model: every client picks it
+            elif k == 1:  # one model: every client picks it
                 z = torch.zeros_like(self.z[g])
             else:
-                z = torch.stack([assign_clusters(self.x[g][s], self.y[g][s], theta[s]) for s in range(len(theta))])
-            changed = z != self.z[g]
-            for s in changed.any(1).nonzero().flatten().tolist():
-                idx = changed[s].nonzero().flatten()
-                old = self.z[g][s, idx]
-                known = old >= 0
-                if known.any():
-                    self._move(g, s, idx[known], -1.0, old[known])
-                self._move(g, s, idx, 1.0, z[s, idx])
+                frob, norm_y = self.sizes[g]
+                z = self._assign(g, theta, drift, BOUND_MARGIN * (norm_y + frob * scale))
+            self._move(g, z)
             self.z[g] = z.clone()
         return theta + torch.einsum("skde,ske->skd", self.mat, theta) + self.vec, list(self.z)
 
@@ -348,6 +420,68 @@ def run_phase2_seeds(
     return theta, curves, chosen
 
 
+def client_blocks(
+    groups: list[tuple[Tensor, Tensor, Tensor]], points: int = 500
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The groups cut into blocks of about ``points`` points, over which ``batched_pair_moment``'s temporaries
+    ([B, H, n, d]) stay small enough for the cache: the same sum, accumulated block by block."""
+    out = []
+    for x, y, w in groups:
+        size = max(1, points // x.shape[1])
+        out += [(x[lo : lo + size], y[lo : lo + size], w[lo : lo + size]) for lo in range(0, len(x), size)]
+    return out
+
+
+def symmetric_top_subspace(moment: Tensor, k: int) -> Tensor:
+    """``top_subspace`` of symmetric matrices Y (the pair moments of the ``all`` pairing; ``disjoint`` ones are
+    symmetric in expectation only, and go through the SVD): the eigenvectors of the k largest |eigenvalues|, the
+    top left singular vectors up to their signs, which ``anchor_step`` does not see (it orients its step itself)."""
+    values, vectors = torch.linalg.eigh(moment)
+    top = values.abs().argsort(-1, descending=True)[..., :k]
+    return vectors.gather(-1, top.unsqueeze(-2).expand(*vectors.shape[:-1], k))
+
+
+def fedmd_phase1_seeds(
+    problems: list[dict[str, Tensor]],
+    groups: list[list[tuple[Tensor, Tensor, Tensor]]],
+    theta0: Tensor,
+    k: int,
+    iters: int,
+    seeds: list[int],
+    pairing: str = "all",
+) -> list[tuple[Tensor, list[Tensor], Tensor]]:
+    """``fedmd_phase1`` (default anchors, steps ½) for every seed; ``theta0`` [S, d]. The same steps, with the
+    same numbers up to float64 rounding: in iteration 0 a seed's anchors all sit at θ₀, so its pair moment Y and
+    subspace Û (spec 001 step 9) are computed once for all of them; Y is summed over blocks of clients
+    (``client_blocks``) and Û taken from one batched symmetric eigendecomposition of every seed's Y
+    (``symmetric_top_subspace``)."""
+    h = default_num_anchors(k)
+    anchors = [draw_anchors(p["sizes"], h, 20, s) for p, s in zip(problems, seeds)]
+    blocks = [client_blocks(g) for g in groups]
+    models = theta0.unsqueeze(1)  # [S, 1, d]: the anchors' common start
+    histories: list[list[Tensor]] = [[] for _ in seeds]
+    for _ in range(iters):
+        moments = torch.stack([batched_pair_moment(b, m, pairing) for b, m in zip(blocks, models)])
+        basis = symmetric_top_subspace(moments, k) if pairing == "all" else top_subspace(moments, k)
+        models = torch.stack([anchor_steps(p, a, m.expand(h, -1), b.expand(h, -1, -1), 0.5, pairing)
+                              for p, a, m, b in zip(problems, anchors, models, basis)])  # fmt: skip
+        for history, m in zip(histories, models):
+            history.append(group_anchors(m, k)[1])
+    return [(history[-1], history, a) for history, a in zip(histories, anchors)]
+
+
+def least_squares_seeds(fedx: list[AffineFedX], ids: list[Tensor], num_clients: int) -> Tensor:
+    """``local_estimate`` X_i⁺y_i of every client of every seed, [S, M, d], from the SVDs ``AffineFedX`` already
+    has, as ``torch.linalg.pinv`` forms X⁺ (cut-off eps·max(n, d)·σ₁): equal up to float64 rounding."""
+    out = torch.zeros(len(fedx), num_clients, fedx[0].groups[0][0].shape[-1], dtype=fedx[0].groups[0][0].dtype)
+    for s, f in enumerate(fedx):
+        for members, (_, y, _), (u, sv, wt) in zip(ids, f.groups, f.svd):
+            cut = torch.finfo(sv.dtype).eps * max(u.shape[-2], wt.shape[-1]) * sv[:, :1]
+            inverse = torch.where(sv > cut, sv.reciprocal(), torch.zeros((), dtype=sv.dtype))
+            out[s, members] = torch.einsum("bdn,bn->bd", (wt.mH * inverse.unsqueeze(-2)) @ u.mH, y)
+    return out
+
+
 def run_seeds(
     setting: str,
     seeds: list[int],
@@ -365,7 +499,8 @@ def run_seeds(
     theta_scale: float | None = None,
 ) -> dict[int, dict[str, Any]]:
     """``{seed: run_seed(setting, seed, …)}`` for all ``seeds`` as one batched job: every method's rounds run for
-    all seeds together (``SeedsFedX``); Phase 1's anchors, one-shot's k-means and the problems are drawn per seed."""
+    all seeds together (``SeedsFedX``), Phase 1 with ``fedmd_phase1_seeds``, one-shot's least squares from the
+    shared client SVDs; the problems, anchors and one-shot's k-means are drawn per seed."""
     sizes, probs = resolve_setting(setting if setting in SETTINGS else None, sizes, probs, num_clusters)
     k = len(probs)
     problems = [mixed_regression_problem(sizes, probs, dim, noise, torch.Generator().manual_seed(s), theta_scale)
@@ -374,7 +509,8 @@ def run_seeds(
     groups, ids = [g for g, _ in grouped], grouped[0][1]
     theta_star = torch.stack([p["theta_star"] for p in problems])
     init = torch.stack([ClusteredLinear(k, dim, init_scale=theta_scale, seed=s + 1).theta.detach() for s in seeds])
-    fedx = SeedsFedX([AffineFedX(g, k, lr, steps, solver) for g in groups])
+    per_seed = [AffineFedX(g, k, lr, steps, solver) for g in groups]
+    fedx = SeedsFedX(per_seed)
     total = phase1_iters + rounds
     out: dict[int, dict[str, Any]] = {s: {} for s in seeds}
 
@@ -390,8 +526,7 @@ def run_seeds(
     for method in methods:
         if method in ("ours", "ours_disjoint"):
             pairing = "all" if method == "ours" else "disjoint"
-            phase1 = [fedmd_phase1(p, g, init[i][0], k, phase1_iters, seed=s, pairing=pairing)
-                      for i, (s, p, g) in enumerate(zip(seeds, problems, groups))]  # fmt: skip
+            phase1 = fedmd_phase1_seeds(problems, groups, init[:, 0], k, phase1_iters, seeds, pairing)
             pre = [[permutation_distance(c, theta_star[i])[0] for c in h] for i, (_, h, _) in enumerate(phase1)]
             theta, curves, chosen = run_phase2_seeds(fedx, torch.stack([t for t, _, _ in phase1]), theta_star, rounds)
             finish(method, theta, [a + b for a, b in zip(pre, curves)], chosen)
@@ -402,18 +537,12 @@ def run_seeds(
             theta, curves, chosen = run_phase2_seeds(fedx, init[:, :1], theta_star, total)
             finish(method, theta, curves, [torch.zeros_like(z) for z in chosen])
         elif method == "oneshot":
-            centres, fixed, first = [], [], []
-            for i, (s, p) in enumerate(zip(seeds, problems)):
-                estimates = torch.stack(
-                    [local_estimate(p["x"][p["ptr"][c] : p["ptr"][c + 1]], p["y"][p["ptr"][c] : p["ptr"][c + 1]])
-                     for c in range(len(sizes))]
-                )  # fmt: skip
-                lab, centre = kmeans(estimates, k, seed=s)
-                centres.append(centre)
-                fixed.append([lab[g] for g in ids])
-                first.append(permutation_distance(centre, theta_star[i])[0])
-            labels = [torch.stack([f[g] for f in fixed]) for g in range(len(ids))]
-            theta, curves, chosen = run_phase2_seeds(fedx, torch.stack(centres), theta_star, total - 1, labels)
+            estimates = least_squares_seeds(per_seed, ids, len(sizes))
+            clustered = [kmeans(e, k, seed=s) for e, s in zip(estimates, seeds)]
+            centres = torch.stack([c for _, c in clustered])
+            labels = [torch.stack([lab[g] for lab, _ in clustered]) for g in ids]
+            first = seed_distances(centres, theta_star)
+            theta, curves, chosen = run_phase2_seeds(fedx, centres, theta_star, total - 1, labels)
             finish(method, theta, [[a] + c for a, c in zip(first, curves)], chosen)
     return out
 
