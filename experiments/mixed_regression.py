@@ -26,6 +26,7 @@ import itertools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,17 +147,24 @@ class AffineFedX:
     """FedX rounds through Lemma 1 (spec 001 eq. (11)): a client's local update is affine,
     θ' = M_i θ + c_i with M_i = (I − (η/nᵢ)X_iᵀX_i)^s (GD) or (I + (η/nᵢ)X_iᵀX_i)⁻¹ (prox), so a round is
     θ_j ← θ_j + (Σ_{i∈j} wᵢ(M_i − I)) θ_j + Σ_{i∈j} wᵢ cᵢ. The per-cluster sums change only for clients
-    whose cluster changed, which makes long runs cheap. Same numbers as ``fedx_round`` (tested)."""
+    whose cluster changed, which makes long runs cheap. Same numbers as ``fedx_round`` (tested). The clients'
+    thin SVDs (``svd``, by ``torch.linalg.svd`` unless ``decompose`` is given) are kept in ``svd``."""
 
     def __init__(
-        self, groups: list[tuple[Tensor, Tensor, Tensor]], k: int, lr: float, steps: int, solver: str = "gd"
+        self,
+        groups: list[tuple[Tensor, Tensor, Tensor]],
+        k: int,
+        lr: float,
+        steps: int,
+        solver: str = "gd",
+        decompose: Callable[[Tensor], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> None:
         self.groups, self.k = groups, k
         self.parts, self.svd = [], []
         d = groups[0][0].shape[-1]
         dtype = groups[0][0].dtype
         for x, y, w in groups:
-            u, sv, wt = torch.linalg.svd(x, full_matrices=False)  # x = U diag(sv) Wᵀ
+            u, sv, wt = decompose(x) if decompose else torch.linalg.svd(x, full_matrices=False)  # x = U diag(sv) Wᵀ
             self.svd.append((u, sv, wt))
             basis = wt.transpose(1, 2)  # [B, d, r]
             lam, a = sv**2, lr / x.shape[1]
@@ -302,9 +310,13 @@ class SeedsFedX:
         self.y = [torch.stack([f.groups[g][1] for f in per_seed]) for g in groups]
         self.terms, self.shifts = [], []  # wᵢ(M_i − I) [S, B, d, d] and wᵢcᵢ [S, B, d]
         for g in groups:
-            basis, wh, wc = (torch.stack([f.parts[g][i] for f in per_seed]) for i in range(3))
-            self.terms.append((basis * wh.unsqueeze(-2)) @ basis.mT)
-            self.shifts.append(wc)
+            basis = per_seed[0].parts[g][0]
+            terms = torch.empty(len(per_seed), len(basis), basis.shape[1], basis.shape[1], dtype=basis.dtype)
+            for f, out in zip(per_seed, terms):
+                basis, wh, _ = f.parts[g]
+                torch.matmul(basis * wh.unsqueeze(-2), basis.mT, out=out)
+            self.terms.append(terms)
+            self.shifts.append(torch.stack([f.parts[g][2] for f in per_seed]))
         singular = [torch.stack([f.svd[g][1] for f in per_seed]) for g in groups]  # [S, B, r]
         self.spectral = [SPECTRAL_SLACK * sv[..., 0] for sv in singular]  # σ_max(X_i)
         self.sizes = [(sv.square().sum(-1).sqrt(), y.norm(dim=-1)) for sv, y in zip(singular, self.y)]  # ‖X_i‖_F, ‖y_i‖
@@ -432,6 +444,18 @@ def client_blocks(
     return out
 
 
+def pair_moment_all(blocks: list[tuple[Tensor, Tensor, Tensor]], models: Tensor) -> Tensor:
+    """``batched_pair_moment(blocks, models, "all")`` with the models first: the residual vectors e [H, B, n, d]
+    make both sums batched matrix products without a transposed copy (the same sums, in another order)."""
+    h, d = models.shape
+    out = torch.zeros(h, d, d, dtype=models.dtype)
+    for x, y, _ in blocks:
+        e = (y - torch.einsum("hd,bnd->hbn", models, x)).unsqueeze(-1) * x  # [H, B, n, d]
+        total, flat = e.sum(2), e.flatten(1, 2)
+        out.baddbmm_(total.mT, total).baddbmm_(flat.mT, flat, alpha=-1)
+    return out
+
+
 def symmetric_top_subspace(moment: Tensor, k: int) -> Tensor:
     """``top_subspace`` of symmetric matrices Y (the pair moments of the ``all`` pairing; ``disjoint`` ones are
     symmetric in expectation only, and go through the SVD): the eigenvectors of the k largest |eigenvalues|, the
@@ -453,21 +477,37 @@ def fedmd_phase1_seeds(
     """``fedmd_phase1`` (default anchors, steps ½) for every seed; ``theta0`` [S, d]. The same steps, with the
     same numbers up to float64 rounding: in iteration 0 a seed's anchors all sit at θ₀, so its pair moment Y and
     subspace Û (spec 001 step 9) are computed once for all of them; Y is summed over blocks of clients
-    (``client_blocks``) and Û taken from one batched symmetric eigendecomposition of every seed's Y
-    (``symmetric_top_subspace``)."""
+    (``client_blocks``, ``pair_moment_all``) and, for the ``all`` pairing, Û taken from one batched symmetric
+    eigendecomposition of every seed's Y (``symmetric_top_subspace``)."""
     h = default_num_anchors(k)
     anchors = [draw_anchors(p["sizes"], h, 20, s) for p, s in zip(problems, seeds)]
     blocks = [client_blocks(g) for g in groups]
     models = theta0.unsqueeze(1)  # [S, 1, d]: the anchors' common start
     histories: list[list[Tensor]] = [[] for _ in seeds]
     for _ in range(iters):
-        moments = torch.stack([batched_pair_moment(b, m, pairing) for b, m in zip(blocks, models)])
-        basis = symmetric_top_subspace(moments, k) if pairing == "all" else top_subspace(moments, k)
+        if pairing == "all":
+            basis = symmetric_top_subspace(torch.stack([pair_moment_all(b, m) for b, m in zip(blocks, models)]), k)
+        else:
+            basis = top_subspace(torch.stack([batched_pair_moment(b, m, pairing) for b, m in zip(blocks, models)]), k)
         models = torch.stack([anchor_steps(p, a, m.expand(h, -1), b.expand(h, -1, -1), 0.5, pairing)
                               for p, a, m, b in zip(problems, anchors, models, basis)])  # fmt: skip
         for history, m in zip(histories, models):
             history.append(group_anchors(m, k)[1])
     return [(history[-1], history, a) for history, a in zip(histories, anchors)]
+
+
+def gram_svd(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.linalg.svd(x, full_matrices=False)`` of wide, well-conditioned clients (x [B, n, d], n ≤ d, cond(X)
+    ≤ 10) from the eigendecomposition of their n×n Gram matrices XXᵀ, a third of the cost: the same factors up to
+    float64 rounding (×cond(X)²) and the signs of the singular pairs, which ``AffineFedX`` and the least squares do
+    not see. Other groups go through the SVD."""
+    if x.shape[-2] <= x.shape[-1]:
+        lam, u = torch.linalg.eigh(x @ x.mT)
+        lam, u = lam.flip(-1), u.flip(-1)  # descending
+        if bool((lam[..., -1] > 1e-2 * lam[..., 0]).all()):
+            sv = lam.sqrt()
+            return u, sv, (u.mT @ x) / sv.unsqueeze(-1)
+    return torch.linalg.svd(x, full_matrices=False)
 
 
 def least_squares_seeds(fedx: list[AffineFedX], ids: list[Tensor], num_clients: int) -> Tensor:
@@ -509,7 +549,7 @@ def run_seeds(
     groups, ids = [g for g, _ in grouped], grouped[0][1]
     theta_star = torch.stack([p["theta_star"] for p in problems])
     init = torch.stack([ClusteredLinear(k, dim, init_scale=theta_scale, seed=s + 1).theta.detach() for s in seeds])
-    per_seed = [AffineFedX(g, k, lr, steps, solver) for g in groups]
+    per_seed = [AffineFedX(g, k, lr, steps, solver, gram_svd) for g in groups]
     fedx = SeedsFedX(per_seed)
     total = phase1_iters + rounds
     out: dict[int, dict[str, Any]] = {s: {} for s in seeds}
