@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from threadpoolctl import threadpool_limits
 from torch import Tensor
 
 from fl_lightning.results import format_table, record, write_results
@@ -295,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "disabled")
     torch.set_num_threads(1)
+    threadpool_limits(1)  # and numpy/scipy's BLAS (Phase 1's syrk) and scikit-learn's OpenMP
     records: list = []
     rows: list = []
     for name in args.workloads:

@@ -30,7 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from scipy.linalg.blas import get_blas_funcs
+from threadpoolctl import threadpool_limits
 from torch import Tensor
 
 from datamodules.mixed_regression import (
@@ -445,15 +448,22 @@ def client_blocks(
 
 
 def pair_moment_all(blocks: list[tuple[Tensor, Tensor, Tensor]], models: Tensor) -> Tensor:
-    """``batched_pair_moment(blocks, models, "all")`` with the models first: the residual vectors e [H, B, n, d]
-    make both sums batched matrix products without a transposed copy (the same sums, in another order)."""
+    """``batched_pair_moment(blocks, models, "all")``: Σ over clients of (Σe)(Σe)ᵀ minus Σ e eᵀ over all points, the
+    latter as symmetric rank updates (BLAS syrk: half the work of a matrix product; torch has none), block by block.
+    The same sums up to float64 rounding."""
     h, d = models.shape
     out = torch.zeros(h, d, d, dtype=models.dtype)
+    squares = [np.zeros((d, d), dtype=out.numpy().dtype, order="F") for _ in range(h)]  # upper triangles of Σ e eᵀ
+    syrk = get_blas_funcs("syrk", (squares[0],))
     for x, y, _ in blocks:
-        e = (y - torch.einsum("hd,bnd->hbn", models, x)).unsqueeze(-1) * x  # [H, B, n, d]
-        total, flat = e.sum(2), e.flatten(1, 2)
-        out.baddbmm_(total.mT, total).baddbmm_(flat.mT, flat, alpha=-1)
-    return out
+        r = y - torch.einsum("hd,bnd->hbn", models, x)  # [H, B, n]
+        totals = torch.einsum("hbn,bnd->hbd", r, x)  # Σ e of each client
+        out.baddbmm_(totals.mT, totals)
+        e = (r.unsqueeze(-1) * x).flatten(1, 2).numpy()  # [H, B·n, d]
+        for j in range(h):
+            squares[j] = syrk(1.0, e[j].T, beta=1.0, c=squares[j], trans=0, overwrite_c=1)
+    upper = torch.from_numpy(np.stack(squares))
+    return out - upper - upper.triu(1).mT
 
 
 def symmetric_top_subspace(moment: Tensor, k: int) -> Tensor:
@@ -731,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    threadpool_limits(1)  # and numpy/scipy's BLAS (Phase 1's syrk) and scikit-learn's OpenMP
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[int, dict[str, Any]]] = {}
