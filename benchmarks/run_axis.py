@@ -8,10 +8,13 @@
   with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.run_axis``). Each
   seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
 * ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after
-  another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number.
+  another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number; each job's
+  CPU seconds per seed are also split into its compute-heavy parts (``time_parts``: client SVDs, Phase 1,
+  assignments, cluster sums, least squares, k-means; the rest is drawing the data and the rounds' updates).
 
-Times are totals on one CPU thread: wall seconds and the process's CPU seconds (on a shared machine the CPU time
-is the steadier of the two); the speed-up is reference / batched. The table is printed, ``results.json`` written
+Times are totals on one CPU thread (torch's, and numpy/scipy's BLAS and scikit-learn's OpenMP through
+``threadpoolctl``): wall seconds and the process's CPU seconds (on a shared machine the CPU time is the steadier
+of the two); the speed-up is reference / batched. The table is printed, ``results.json`` written
 (``experiment=run_axis``) and ``results: PATH`` is the last line.
 """
 

@@ -9,10 +9,13 @@ the same arguments as ``datamodules.MixedRegressionDataModule``, listed in docs/
 Every method runs the math of its engine algorithm (``fl_lightning.algorithms.moment_descent``,
 ``ifca``, ``oneshot_kmeans``) vectorised over all clients of a setting: one call per round for all
 clients instead of one engine step per client, so that 20 seeds × 3 settings × 5 methods fit in
-minutes; the seeds of a setting run as one batched job (``run_seeds``: a leading seed dimension, the same
-numbers as ``run_seed`` one seed after another, which ``--seed_loop`` runs). ``tests/test_mixed_regression.py``
-checks that the engine runs (``train.py``) give the same θ as these simulations. The metric is d(θ̂, θ*)
-(spec 001 eq. (6)); success = final error ≤ 2× the oracle's on the same draw (issue 6).
+minutes; the seeds of a setting run as one batched job (``run_seeds``, the same numbers up to float64 rounding
+and the same cluster choices as ``run_seed`` one seed after another, which ``--seed_loop`` runs; several times
+faster, as ``benchmarks/run_axis.py`` measures: it shares the clients' SVDs and cluster-sum terms between methods,
+proves most assignments unchanged instead of recomputing them, and computes Phase 1's pair moments once per seed
+at θ₀ and with symmetric rank updates). ``tests/test_mixed_regression.py`` checks that the engine runs
+(``train.py``) give the same θ as these simulations. The metric is d(θ̂, θ*) (spec 001 eq. (6)); success = final
+error ≤ 2× the oracle's on the same draw (issue 6).
 
 Hyper-parameters the paper does not give (spec 001 §8), fixed here: s = 5 local GD steps, η = 0.05,
 θ* and θ₀ scale 1/√d, noise σ = 0.2, 10 anchors among clients with ≥ 20 points, T = 5 Phase-1
@@ -151,7 +154,7 @@ class AffineFedX:
     θ' = M_i θ + c_i with M_i = (I − (η/nᵢ)X_iᵀX_i)^s (GD) or (I + (η/nᵢ)X_iᵀX_i)⁻¹ (prox), so a round is
     θ_j ← θ_j + (Σ_{i∈j} wᵢ(M_i − I)) θ_j + Σ_{i∈j} wᵢ cᵢ. The per-cluster sums change only for clients
     whose cluster changed, which makes long runs cheap. Same numbers as ``fedx_round`` (tested). The clients'
-    thin SVDs (``svd``, by ``torch.linalg.svd`` unless ``decompose`` is given) are kept in ``svd``."""
+    thin SVDs (``torch.linalg.svd``, or ``decompose``) are kept in ``svd``."""
 
     def __init__(
         self,
@@ -303,9 +306,9 @@ class SeedsFedX:
     (``AffineFedX.svd``) are computed once per seed and shared by every method's rounds, and so are the clients'
     terms wᵢ(M_i − I) [d, d] of the cluster sums (eq. (11)), which a round adds to (removes from) the sums of the
     clusters its clients join (leave), for all seeds in one ``index_add_``. A client's assignment (eq. (8)) is
-    computed with ``assign_clusters``' floats, but only when bounds cannot prove it unchanged (``round``). So the
-    assignments are the seed's own ``AffineFedX``'s, and θ equals its θ up to float64 rounding (the cluster sums
-    are summed in another order; ``tests/test_mixed_regression_seeds.py``)."""
+    computed by ``assign_clusters``' formula, but only when bounds cannot prove it unchanged (``round``). So the
+    assignments are those of the seed's own ``AffineFedX`` (unless two residuals tie to rounding), and θ equals
+    its θ up to float64 rounding (the sums are taken in another order; ``tests/test_mixed_regression_seeds.py``)."""
 
     def __init__(self, per_seed: list[AffineFedX]) -> None:
         groups = range(len(per_seed[0].groups))
@@ -368,7 +371,7 @@ class SeedsFedX:
         seed, client = (redo & ~dense.unsqueeze(1)).nonzero(as_tuple=True)
         if len(seed):
             x, y = self.x[g][seed, client], self.y[g][seed, client]
-            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,bkd->bnk", x, theta[seed])) ** 2).sum(1)  # the same floats
+            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,bkd->bnk", x, theta[seed])) ** 2).sum(1)
             self._restart(g, z, seed, client, residual, margin)
         return z
 
@@ -387,9 +390,10 @@ class SeedsFedX:
         r_j = ‖y_i − X_iθ_j‖, each client keeps an upper bound u ≥ r_z of its chosen model and a lower bound
         ℓ ≤ min_{j≠z} r_j, and as |r_j(θ') − r_j(θ)| ≤ σ_max(X_i)‖θ'_j − θ_j‖, a round adds σ_max‖Δθ_z‖ to u and
         takes σ_max max_j ‖Δθ_j‖ from ℓ. While ℓ − u > 2m, with m = ``BOUND_MARGIN``·(‖y_i‖ + ‖X_i‖_F max_j ‖θ_j‖),
-        z is still the strict argmin of the residuals as ``assign_clusters`` computes them: their rounding error,
-        and that of the bounds, is below 1e-13 of that scale, far inside m. Otherwise the residuals are computed
-        (the same floats as ``assign_clusters``) and the bounds restart from them, widened by m."""
+        z is still the strict argmin of the residuals as ``assign_clusters`` computes them: their rounding error
+        (about d·1e-16 of that scale) and that of the bounds (σ_max enlarged by ``SPECTRAL_SLACK``; the additions'
+        rounding, 1e-16 of it per round) are far inside m. Otherwise the residuals are computed (``assign_clusters``'
+        formula) and the bounds restart from them, widened by m."""
         k = theta.shape[1]
         if labels is None and k > 1:
             drift = None if self.bounded is None else (theta - self.bounded).norm(dim=-1)  # [S, k]
@@ -769,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.seed_loop:
             results[label] = {s: run_seed(name, s, args.rounds, args.lr, args.local_steps, **common)
                               for s in range(args.seeds)}  # fmt: skip
-        else:  # every seed as one batched job: the same numbers (tests/test_mixed_regression_seeds.py)
+        else:  # every seed as one batched job: the same numbers up to rounding (tests/test_mixed_regression_seeds.py)
             results[label] = run_seeds(name, list(range(args.seeds)), args.rounds, args.lr, args.local_steps, **common)
         print(f"{label}: {args.seeds} seeds done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows, records = summarise(results)

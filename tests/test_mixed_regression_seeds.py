@@ -59,6 +59,26 @@ def test_least_squares_from_the_shared_svds_are_local_estimate():
     assert_close_finite(got, want, rtol=0, atol=1e-14)
 
 
+def test_gram_svd_is_the_thin_svd_and_falls_back_to_it():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 5, 12, generator=g, dtype=torch.float64)
+    u, sv, wt = mr.gram_svd(wide)
+    ref_u, ref_sv, ref_wt = torch.linalg.svd(wide, full_matrices=False)
+    assert_close_finite(sv, ref_sv, rtol=1e-13, atol=0)
+    assert_close_finite(u @ torch.diag_embed(sv) @ wt, wide, rtol=0, atol=1e-13)
+    eye = torch.eye(5, dtype=torch.float64).expand(6, 5, 5)
+    assert_close_finite(u.mT @ u, eye, rtol=0, atol=1e-13)
+    assert_close_finite(wt @ wt.mT, eye, rtol=0, atol=1e-13)
+    lam = ref_sv.square().unsqueeze(-2)  # AffineFedX's terms W h(λ) Wᵀ do not see the singular pairs' signs
+    assert_close_finite((wt.mT * sv.square().unsqueeze(-2)) @ wt, (ref_wt.mT * lam) @ ref_wt, rtol=0, atol=1e-12)
+    tall = torch.randn(3, 12, 5, generator=g, dtype=torch.float64)
+    ill = wide.clone()
+    ill[0] = torch.linalg.qr(wide[0].mT)[0].mT * torch.logspace(0, -3, 5, dtype=torch.float64).unsqueeze(-1)
+    for x in (tall, ill):  # the SVD itself: tall clients, and a group with cond(X) > 10
+        for got, want in zip(mr.gram_svd(x), torch.linalg.svd(x, full_matrices=False)):
+            assert torch.equal(got, want)
+
+
 def test_symmetric_top_subspace_spans_the_top_singular_vectors():
     g = torch.Generator().manual_seed(0)
     q = torch.linalg.qr(torch.randn(2, 9, 9, generator=g, dtype=torch.float64))[0]
