@@ -84,25 +84,31 @@ def _log_once(key: str, message: str, *args: object) -> None:
         log.warning(message, *args)
 
 
-def frozen_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
-    """``functional_call(module, params, (x,))`` of a frozen body under ``no_grad``, with less memory traffic for an
-    ``nn.Sequential``: a ``ReLU`` before a ``MaxPool2d`` runs after it instead, in place on the 4× smaller pooled
-    tensor (max and ReLU commute), and any other ``ReLU`` in place on a tensor this pass made."""
+def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
+    """``functional_call(module, params, (x,))`` with less memory traffic when ``module`` is an ``nn.Sequential`` (or
+    a ``SplitModel`` without a side branch whose body is one): a ``ReLU`` before a ``MaxPool2d`` runs after it, on the
+    4× smaller pooled tensor (max and ReLU commute: the same values and gradients), and every such ``ReLU`` in place
+    on a tensor this pass made, which no backward needs (the outputs of convolutions, linear layers and pools)."""
+    if isinstance(module, SplitModel) and type(module).forward is SplitModel.forward and module.side is None:
+        head = {n[len("head.") :]: v for n, v in params.items() if n.startswith("head.")}
+        body = {n[len("body.") :]: v for n, v in params.items() if n.startswith("body.")}
+        return functional_call(module.head, head, (sequential_forward(module.body, body, x),))
     if type(module) is not nn.Sequential:
         return functional_call(module, params, (x,))
     children = list(module.named_children())
-    fresh, skip = False, False  # whether x is a tensor this pass made (x starts as the caller's rows)
-    for (name, child), (_, after) in zip(children, children[1:] + [("", None)]):
-        if skip:
-            skip = False
-        elif type(child) is nn.ReLU and type(after) is nn.MaxPool2d and not after.return_indices:
-            x, skip = after(x).relu_(), True
-        elif type(child) is nn.ReLU and fresh:
+    fresh, i = False, 0  # fresh: x was made by a convolution, linear layer or pool of this pass (not the caller's)
+    while i < len(children):
+        name, child = children[i]
+        after = children[i + 1][1] if i + 1 < len(children) else None
+        if type(child) is nn.ReLU and type(after) is nn.MaxPool2d and not after.return_indices:
+            x, fresh, i = after(x).relu_(), False, i + 2
+            continue
+        if type(child) is nn.ReLU and fresh:
             x = x.relu_()
         else:
             own = {n[len(name) + 1 :]: v for n, v in params.items() if n.startswith(name + ".")}
             x = functional_call(child, own, (x,)) if own else child(x)
-        fresh = fresh or isinstance(child, (nn.modules.conv._ConvNd, nn.Linear, nn.ReLU, nn.MaxPool2d))
+        fresh, i = isinstance(child, (nn.modules.conv._ConvNd, nn.Linear, nn.MaxPool2d)), i + 1
     return x
 
 
@@ -463,7 +469,7 @@ class VectorizedContext:
         n = feature_chunk(self.device)
         chunks = [(c, None if draws is None else draws[i : i + n]) for i, c in zip(range(0, len(x), n), x.split(n))]
         return torch.cat(
-            [frozen_forward(self.net.body, body, _channels_last(c if d is None else self.augment.apply(c, d)))
+            [sequential_forward(self.net.body, body, _channels_last(c if d is None else self.augment.apply(c, d)))
              for c, d in chunks]
         )  # fmt: skip
 
@@ -587,8 +593,10 @@ class VectorizedContext:
                 state[n] = {k: kept[state_name(k, n)] for k in rule.keys}
                 count[n] = kept[state_name(STEPS, n)].clone()
         loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
+        fewest = min(plan.host_steps)
         for s in range(plan.num_steps):
             active, mask = active_all[s], mask_all[s]
+            everyone = s < fewest  # every client steps (known on the host): nothing to mask
             x, y = batch_inputs(s), data_y[rows[s]]
             if step is None:
                 grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
@@ -597,10 +605,14 @@ class VectorizedContext:
             for n, g in grads.items():
                 decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
                 new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
+                if everyone:
+                    train[n], state[n], count[n] = new_p, new_state, count[n] + 1
+                    continue
                 train[n] = torch.where(_per_client(active, g), new_p, train[n])
                 state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
                 count[n] = count[n] + active.long()
-            loss_sum = loss_sum + torch.where(active, losses.detach().to(loss_sum.dtype), 0.0)
+            step_loss = losses.detach().to(loss_sum.dtype)
+            loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
         self.train_loss = loss_sum / plan.steps.clamp(min=1)
         if kept is not None:
             self.optimizer_state = dict(kept)
@@ -726,10 +738,10 @@ class VectorizedContext:
         trained: dict[str, list[Tensor]] = {n: [] for n in trainable}
         losses = []
         for k in range(self.num_clients):
-            params = {n: _channels_last(v[k]) for n, v in out.items()}
-            leaves = {n: _channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
+            params = {n: v[k] for n, v in out.items()}
+            leaves = {n: out[n][k].clone().requires_grad_(True) for n in trainable}
             params.update(leaves)
-            opt = self.optimizer.build(leaves, lr)
+            opt = self.optimizer.build(leaves, lr, fused=self.device.type == "cpu")
             pdata = None if penalty is None else unstack(penalty.data, k)
             loss_sum = torch.zeros((), device=self.device)
             for s, length in enumerate(plan.lengths[k]):
@@ -738,7 +750,7 @@ class VectorizedContext:
                 if plan.draws is not None:
                     x = self.augment.apply(x, plan.draws[s, k, :length])
                 opt.zero_grad(set_to_none=True)
-                out_k = functional_call(self.net, params, (_channels_last(x),))
+                out_k = sequential_forward(self.net, params, _channels_last(x))
                 loss = self.per_sample_loss(out_k, data_y[rows]).mean()
                 if penalty is not None:
                     loss = loss + penalty.fn(params, pdata)
