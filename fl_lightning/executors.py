@@ -738,8 +738,8 @@ class VectorizedContext:
         trained: dict[str, list[Tensor]] = {n: [] for n in trainable}
         losses = []
         for k in range(self.num_clients):
-            params = {n: v[k] for n, v in out.items()}
-            leaves = {n: out[n][k].clone().requires_grad_(True) for n in trainable}
+            params = {n: _channels_last(v[k]) for n, v in out.items()}
+            leaves = {n: _channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
             params.update(leaves)
             opt = self.optimizer.build(leaves, lr, fused=self.device.type == "cpu")
             pdata = None if penalty is None else unstack(penalty.data, k)
