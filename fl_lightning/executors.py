@@ -18,16 +18,20 @@ on the device. How each step is computed:
 
 * a phase that trains only the head (no side branch) on a frozen body runs the body on the phase's batches in a
   few large no-grad passes: once per client and round without augmentation, or per block of steps on the
-  augmented batches, as ONE batch for the whole cohort when the clients share the body (FedRep's head phase,
-  "+FT") — then trains the heads on those features;
+  augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole cohort when the clients
+  share the body (FedRep's head phase, "+FT") — then trains the heads on those features. ``sequential_forward``
+  runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in place (the same values);
 * networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
   matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
 * other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
   turns a convolution with per-client weights into one grouped convolution);
-* client by client (``ClientContext`` on the same generators, so the same numbers), logged once: convolutional
-  phases on the CPU (``CONV_CLIENTS``: plain autograd in ``channels_last`` beat both ``vmap`` and grouped
-  convolutions there, ``make bench`` measures it), recurrent networks (LSTM: no batching rule for per-client
-  weights), client optimisers without a batched form, augmentations that cannot draw ahead.
+* convolutional phases on the CPU client by client on the phase plan's batches (``CONV_CLIENTS``: plain autograd
+  in ``channels_last`` beat both ``vmap`` and grouped convolutions there, ``make bench`` measures it), each client
+  with ``sequential_forward`` and torch's fused SGD, no context or batch generator per client;
+* client by client with ``ClientContext`` (on the same generators, so the same numbers), logged once: recurrent
+  networks (LSTM: no batching rule for per-client weights), client optimisers without a batched form,
+  augmentations that cannot draw ahead, and CPU convolutional phases with a custom step direction, side
+  information or kept optimiser state.
 """
 
 from __future__ import annotations
@@ -728,7 +732,8 @@ class VectorizedContext:
     ) -> Params:
         """Client by client with plain autograd (``CONV_CLIENTS``: the CPU's convolutional phases):
         ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
-        builds it, weights and batches in ``channels_last``, without a context or a batch generator per client."""
+        builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward``, without a
+        context or a batch generator per client."""
         augment = self.augment if draws_ahead(self.augment) else None
         plan = plan_phase(
             self.sizes, self.offsets, self.generators, self.step_budgets, augment,
