@@ -105,7 +105,7 @@ def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
         name, child = children[i]
         after = children[i + 1][1] if i + 1 < len(children) else None
         if type(child) is nn.ReLU and type(after) is nn.MaxPool2d and not after.return_indices:
-            x, fresh, i = after(x).relu_(), False, i + 2
+            x, fresh, i = _max_pool(after, x).relu_(), False, i + 2
             continue
         if type(child) is nn.ReLU and fresh:
             x = x.relu_()
@@ -114,6 +114,17 @@ def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
             x = functional_call(child, own, (x,)) if own else child(x)
         fresh, i = isinstance(child, (nn.modules.conv._ConvNd, nn.Linear, nn.MaxPool2d)), i + 1
     return x
+
+
+def _max_pool(pool: nn.MaxPool2d, x: Tensor) -> Tensor:
+    """``pool(x)``; a plain 2×2 pool without autograd as two elementwise maxima of strided views (the same values,
+    without the argmax indices a ``max_pool2d`` computes on the CPU)."""
+    setting = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+    if torch.is_grad_enabled() or x.dim() != 4 or setting not in ((2, 2, 0, 1, False), ((2, 2), (2, 2), 0, 1, False)):
+        return pool(x)
+    h, w = x.shape[2] // 2 * 2, x.shape[3] // 2 * 2
+    rows = torch.maximum(x[:, :, 0:h:2, :w], x[:, :, 1:h:2, :w])
+    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
 
 
 def _channels_last(t: Tensor) -> Tensor:
