@@ -18,16 +18,20 @@ on the device. How each step is computed:
 
 * a phase that trains only the head (no side branch) on a frozen body runs the body on the phase's batches in a
   few large no-grad passes: once per client and round without augmentation, or per block of steps on the
-  augmented batches, as ONE batch for the whole cohort when the clients share the body (FedRep's head phase,
-  "+FT") — then trains the heads on those features;
+  augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole cohort when the clients
+  share the body (FedRep's head phase, "+FT") — then trains the heads on those features. ``sequential_forward``
+  runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in place (the same values);
 * networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
   matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
 * other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
   turns a convolution with per-client weights into one grouped convolution);
-* client by client (``ClientContext`` on the same generators, so the same numbers), logged once: convolutional
-  phases on the CPU (``CONV_CLIENTS``: plain autograd in ``channels_last`` beat both ``vmap`` and grouped
-  convolutions there, ``make bench`` measures it), recurrent networks (LSTM: no batching rule for per-client
-  weights), client optimisers without a batched form, augmentations that cannot draw ahead.
+* convolutional phases on the CPU client by client on the phase plan's batches (``CONV_CLIENTS``: plain autograd
+  in ``channels_last`` beat both ``vmap`` and grouped convolutions there, ``make bench`` measures it), each client
+  with ``sequential_forward`` and torch's fused SGD, no context or batch generator per client;
+* client by client with ``ClientContext`` (on the same generators, so the same numbers), logged once: recurrent
+  networks (LSTM: no batching rule for per-client weights), client optimisers without a batched form,
+  augmentations that cannot draw ahead, and CPU convolutional phases with a custom step direction, side
+  information or kept optimiser state.
 """
 
 from __future__ import annotations
@@ -82,6 +86,50 @@ def _log_once(key: str, message: str, *args: object) -> None:
     if key not in _fallbacks_logged:
         _fallbacks_logged.add(key)
         log.warning(message, *args)
+
+
+def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
+    """``functional_call(module, params, (x,))`` with less memory traffic when ``module`` is an ``nn.Sequential`` (or
+    a ``SplitModel`` without a side branch whose body is one): a ``ReLU`` before a ``MaxPool2d`` runs after it, on the
+    4× smaller pooled tensor (max and ReLU commute: the same values and gradients), and every such ``ReLU`` in place
+    on a tensor this pass made, which no backward needs (the outputs of convolutions, linear layers and pools)."""
+    if isinstance(module, SplitModel) and type(module).forward is SplitModel.forward and module.side is None:
+        head = {n[len("head.") :]: v for n, v in params.items() if n.startswith("head.")}
+        body = {n[len("body.") :]: v for n, v in params.items() if n.startswith("body.")}
+        return functional_call(module.head, head, (sequential_forward(module.body, body, x),))
+    if type(module) is not nn.Sequential:
+        return functional_call(module, params, (x,))
+    children = list(module.named_children())
+    fresh, i = False, 0  # fresh: x was made by a convolution, linear layer or pool of this pass (not the caller's)
+    while i < len(children):
+        name, child = children[i]
+        after = children[i + 1][1] if i + 1 < len(children) else None
+        if type(child) is nn.ReLU and type(after) is nn.MaxPool2d and not after.return_indices:
+            x, fresh, i = _max_pool(after, x).relu_(), False, i + 2
+            continue
+        if type(child) is nn.ReLU and fresh:
+            x = x.relu_()
+        else:
+            own = {n[len(name) + 1 :]: v for n, v in params.items() if n.startswith(name + ".")}
+            x = functional_call(child, own, (x,)) if own else child(x)
+        fresh, i = isinstance(child, (nn.modules.conv._ConvNd, nn.Linear, nn.MaxPool2d)), i + 1
+    return x
+
+
+def _max_pool(pool: nn.MaxPool2d, x: Tensor) -> Tensor:
+    """``pool(x)``; a plain 2×2 pool without autograd as two elementwise maxima of strided views (the same values,
+    without the argmax indices a ``max_pool2d`` computes on the CPU)."""
+    setting = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
+    if torch.is_grad_enabled() or x.dim() != 4 or setting not in ((2, 2, 0, 1, False), ((2, 2), (2, 2), 0, 1, False)):
+        return pool(x)
+    h, w = x.shape[2] // 2 * 2, x.shape[3] // 2 * 2
+    rows = torch.maximum(x[:, :, 0:h:2, :w], x[:, :, 1:h:2, :w])
+    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    """A 4-D tensor (an image batch, a conv weight) in ``channels_last``; others as they are."""
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
 
 def _per_client(mask: Tensor, like: Tensor) -> Tensor:
@@ -246,12 +294,15 @@ def stacked_forward(module: nn.Module, params: Params, x: Tensor, prefix: str = 
 class PhasePlan:
     """Every step of one ``sgd`` phase for ``K`` clients: ``rows[s, k]`` are the data rows of client ``k``'s
     ``s``-th minibatch (``-1``: padding), ``draws[s, k]`` their augmentation draws, ``steps[k]`` how many steps
-    client ``k`` takes. Built on the host from the clients' generators, moved to the device in one copy."""
+    client ``k`` takes. Built on the host from the clients' generators, moved to the device in one copy;
+    ``host_steps[k]`` and ``lengths[k][s]`` (the real rows of each minibatch, padding after them) stay on the
+    host."""
 
     rows: Tensor
     draws: Tensor | None
     steps: Tensor
     host_steps: list[int]
+    lengths: list[list[int]]
 
     @property
     def num_steps(self) -> int:
@@ -275,10 +326,12 @@ def plan_phase(
     up to the client's step limit. Step ``s`` of every client is row ``s`` of the plan."""
     per_client: list[tuple[list[Tensor], list[Tensor]]] = []
     steps: list[int] = []
+    lengths: list[list[int]] = []
     for n, start, g, budget in zip(sizes, offsets, generators, budgets):
         limit = step_limit(budget, epochs, n, batch_size, max_steps, min_batch)
         per_epoch = steps_per_epoch(n, batch_size, min_batch)
         rows, draws, taken = [], [], 0
+        lengths.append([])
         for _ in range(epochs):
             if limit is not None and taken >= limit:
                 break
@@ -289,6 +342,7 @@ def plan_phase(
                 padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
                 padded[:used] = perm[:used] + start
                 rows.append(padded.view(per_epoch, batch_size)[:take])
+                lengths[-1] += [min(batch_size, used - i * batch_size) for i in range(take)]
                 if drawn is not None:
                     d = drawn.new_zeros(per_epoch * batch_size, *drawn.shape[1:])
                     d[:used] = drawn[:used]
@@ -308,7 +362,7 @@ def plan_phase(
     packed = torch.cat([packed.reshape(-1), torch.tensor(steps, dtype=torch.long)])
     packed = to_device(packed, device)  # the phase's only host-to-device transfer
     body, steps_t = packed[: -len(sizes)].view(total, len(sizes), batch_size, width), packed[-len(sizes) :]
-    return PhasePlan(body[..., 0], body[..., 1:] if width > 1 else None, steps_t, steps)
+    return PhasePlan(body[..., 0], body[..., 1:] if width > 1 else None, steps_t, steps, lengths)
 
 
 class VectorizedContext:
@@ -424,11 +478,15 @@ class VectorizedContext:
         body = {n[len("body.") :]: v for n, v in params.items() if n.startswith("body.")}
         return body, all(v.stride(0) == 0 for v in body.values())
 
-    def _body_rows(self, body: Params, x: Tensor) -> Tensor:
-        """φ(x) of rows ``x`` with one body, in chunks (``channels_last`` for images)."""
-        if x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return torch.cat([functional_call(self.net.body, body, (c,)) for c in x.split(feature_chunk(self.device))])
+    def _body_rows(self, body: Params, x: Tensor, draws: Tensor | None = None) -> Tensor:
+        """φ(x) of rows ``x`` with one body, in chunks (``channels_last`` for images), each chunk augmented with
+        its ``draws`` first when given."""
+        n = feature_chunk(self.device)
+        chunks = [(c, None if draws is None else draws[i : i + n]) for i, c in zip(range(0, len(x), n), x.split(n))]
+        return torch.cat(
+            [sequential_forward(self.net.body, body, _channels_last(c if d is None else self.augment.apply(c, d)))
+             for c, d in chunks]
+        )  # fmt: skip
 
     @torch.no_grad()
     def _body_pass(self, body: Params, shared: bool, x: Tensor) -> Tensor:
@@ -487,6 +545,8 @@ class VectorizedContext:
             _log_once("rnn", "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
             return self._sgd_client_by_client(*args)
         if not head_only and self.loop_over_clients:
+            if gradient is None and self.sides is None and self.optimizer_state is None:
+                return self._sgd_in_turn(out, trainable, epochs, penalty, lr, max_steps, bs, min_batch)
             return self._sgd_client_by_client(*args)
         return self._sgd_batched(rule, head_only, *args)
 
@@ -548,8 +608,10 @@ class VectorizedContext:
                 state[n] = {k: kept[state_name(k, n)] for k in rule.keys}
                 count[n] = kept[state_name(STEPS, n)].clone()
         loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
+        fewest = min(plan.host_steps)
         for s in range(plan.num_steps):
             active, mask = active_all[s], mask_all[s]
+            everyone = s < fewest  # every client steps (known on the host): nothing to mask
             x, y = batch_inputs(s), data_y[rows[s]]
             if step is None:
                 grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
@@ -558,10 +620,14 @@ class VectorizedContext:
             for n, g in grads.items():
                 decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
                 new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
+                if everyone:
+                    train[n], state[n], count[n] = new_p, new_state, count[n] + 1
+                    continue
                 train[n] = torch.where(_per_client(active, g), new_p, train[n])
                 state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
                 count[n] = count[n] + active.long()
-            loss_sum = loss_sum + torch.where(active, losses.detach().to(loss_sum.dtype), 0.0)
+            step_loss = losses.detach().to(loss_sum.dtype)
+            loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
         self.train_loss = loss_sum / plan.steps.clamp(min=1)
         if kept is not None:
             self.optimizer_state = dict(kept)
@@ -593,10 +659,16 @@ class VectorizedContext:
             if start not in cache:
                 cache.clear()
                 r, d = rows[start : start + block], draws[start : start + block]
-                x = self.augment.apply(data_x[r.reshape(-1)], d.reshape(-1, d.shape[-1]))
-                x = x.view(r.shape[0], k, bs, *x.shape[1:]).transpose(0, 1).reshape(k, -1, *x.shape[1:])
-                f = self._body_pass(body, shared, x)  # [K, block·bs, ...]
-                cache[start] = f.view(k, r.shape[0], bs, *f.shape[2:]).transpose(0, 1)
+                if shared:  # the block's rows in plan order [steps, K, bs], augmented chunk by chunk
+                    self.feature_passes += 1
+                    with torch.no_grad():
+                        f = self._body_rows({n: v[0] for n, v in body.items()}, data_x[r.reshape(-1)], d.flatten(0, 2))
+                    cache[start] = f.view(*r.shape, *f.shape[1:])
+                else:
+                    x = self.augment.apply(data_x[r.reshape(-1)], d.reshape(-1, d.shape[-1]))
+                    x = x.view(r.shape[0], k, bs, *x.shape[1:]).transpose(0, 1).reshape(k, -1, *x.shape[1:])
+                    f = self._body_pass(body, shared, x)  # [K, block·bs, ...]
+                    cache[start] = f.view(k, r.shape[0], bs, *f.shape[2:]).transpose(0, 1)
             return cache[start][s - start]
 
         return features
@@ -657,6 +729,57 @@ class VectorizedContext:
             return vmap(client_step, in_dims=dims)(p, fz, x, y, m, sides, pd)
 
         return step
+
+    def _sgd_in_turn(
+        self,
+        out: Params,
+        trainable: list[str],
+        epochs: int,
+        penalty: Penalty | None,
+        lr: float,
+        max_steps: int | None,
+        bs: int,
+        min_batch: int,
+    ) -> Params:
+        """Client by client with plain autograd (``CONV_CLIENTS``: the CPU's convolutional phases):
+        ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
+        builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward``, without a
+        context or a batch generator per client."""
+        augment = self.augment if draws_ahead(self.augment) else None
+        plan = plan_phase(
+            self.sizes, self.offsets, self.generators, self.step_budgets, augment,
+            epochs, bs, min_batch, max_steps, self.device,
+        )  # fmt: skip
+        data_x, data_y = self.data
+        trained: dict[str, list[Tensor]] = {n: [] for n in trainable}
+        losses = []
+        for k in range(self.num_clients):
+            params = {n: _channels_last(v[k]) for n, v in out.items()}
+            leaves = {n: _channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
+            params.update(leaves)
+            opt = self.optimizer.build(leaves, lr, fused=self.device.type == "cpu")
+            pdata = None if penalty is None else unstack(penalty.data, k)
+            loss_sum = torch.zeros((), device=self.device)
+            for s, length in enumerate(plan.lengths[k]):
+                rows = plan.rows[s, k, :length]
+                x = data_x[rows]
+                if plan.draws is not None:
+                    x = self.augment.apply(x, plan.draws[s, k, :length])
+                opt.zero_grad(set_to_none=True)
+                out_k = sequential_forward(self.net, params, _channels_last(x))
+                loss = self.per_sample_loss(out_k, data_y[rows]).mean()
+                if penalty is not None:
+                    loss = loss + penalty.fn(params, pdata)
+                loss.backward()
+                opt.step()
+                loss_sum = loss_sum + loss.detach()
+            losses.append(loss_sum / max(plan.host_steps[k], 1))
+            for n in trainable:
+                trained[n].append(leaves[n].detach())
+        self.train_loss = torch.stack(losses)
+        self.steps_taken = plan.steps
+        out.update({n: torch.stack(v).contiguous() for n, v in trained.items()})
+        return out
 
     def _sgd_client_by_client(
         self,

@@ -99,14 +99,17 @@ class ClientOptimizer:
         momentum, decay = float(hyper.get("momentum", 0.0)), float(hyper.get("weight_decay", 0.0))
         return cls(float(hyper["lr"]), momentum, decay, batch_size, decay_bias, factory)
 
-    def build(self, params: Params, lr: float | None = None) -> torch.optim.Optimizer:
+    def build(self, params: Params, lr: float | None = None, fused: bool = False) -> torch.optim.Optimizer:
         """The optimiser over the named leaves ``params``, every group at learning rate ``lr`` (default: the
-        round's ``self.lr``)."""
+        round's ``self.lr``). ``fused``: the default SGD steps with torch's fused kernel (one pass over each
+        tensor; the same update up to rounding)."""
         decayed = [v for n, v in params.items() if self.decay_bias or not n.endswith("bias")]
         plain = [v for n, v in params.items() if not self.decay_bias and n.endswith("bias")]
         groups = [g for g in ({"params": decayed}, {"params": plain, "weight_decay": 0.0}) if g["params"]]
         if self.factory is None:
-            opt = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+            opt = torch.optim.SGD(
+                groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, fused=fused or None
+            )
         else:
             opt = self.factory(groups)
         for group in opt.param_groups:
