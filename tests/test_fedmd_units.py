@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_close_finite
+from scipy.cluster.hierarchy import fcluster, linkage
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedMD
-from fl_lightning.algorithms.moment_descent import anchor_step, default_num_anchors
+from fl_lightning.algorithms.moment_descent import anchor_step, default_num_anchors, group_anchors
 from fl_lightning.errors import ConfigError
 from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import ClusteredLinear
@@ -68,7 +69,7 @@ def anchor_problem(n: int, seed: int = 0):
 
 @pytest.mark.parametrize("pairing", ["all", "disjoint"])
 @pytest.mark.parametrize("power_iters", [0, 1, 3])
-@pytest.mark.parametrize("n", [9, 1])  # one point: no pair, A = 0 (a zero step)
+@pytest.mark.parametrize("n", [9, 3, 1])  # 3 points: one disjoint pair; one point: no pair, A = 0 (a zero step)
 def test_anchor_step_equals_the_numpy_reference(pairing, power_iters, n):
     x, y, theta, basis = anchor_problem(n)
     new, sigma = anchor_step(*(torch.tensor(v) for v in (x, y, theta, basis)), power_iters, 0.7, 0.0, pairing)
@@ -84,8 +85,9 @@ def test_anchor_step_stops_at_the_threshold_only_when_sigma_is_not_above_it(pair
     x, y, theta, basis = anchor_problem(10, seed=1)
     t = [torch.tensor(v) for v in (x, y, theta, basis)]
     _, sigma = anchor_step(*t, 0, 0.5, 0.0, pairing)
-    stopped, _ = anchor_step(*t, 0, 0.5, sigma * (1 + 1e-9), pairing)
-    assert torch.equal(stopped, t[2])
+    for threshold in (sigma, sigma * (1 + 1e-9)):  # σ̂ > εΔ moves: σ̂ = εΔ stops
+        stopped, _ = anchor_step(*t, 0, 0.5, threshold, pairing)
+        assert torch.equal(stopped, t[2])
     moved, _ = anchor_step(*t, 0, 0.5, sigma * (1 - 1e-6), pairing)
     assert float((moved - t[2]).abs().max()) > 1e-3
 
@@ -284,7 +286,7 @@ def test_fedmd_orthogonal_phase1_round_by_round(pairing):
             ctx = ClientContext(net, c, torch.tensor(x), torch.tensor(y), None, opt, F.mse_loss,
                                 make_generator(0, c), round_idx=rnd)  # fmt: skip
             up = algo.client_update(ctx, glob, {})
-            assert up.num_samples == sizes[c]
+            assert up.num_samples == sizes[c] and up.loss == 0.0  # Phase 1 trains nothing: no loss to report
             ups.append(up.upload)
         averaged = {n: sum(u[n] * m for u, m in zip(ups, sizes)) / total for n in ups[0]}
         algo.server_update(glob, averaged, rnd)
@@ -319,9 +321,85 @@ def test_fedmd_orthogonal_phase1_round_by_round(pairing):
         mask = np.zeros(2)
         if c < 2:
             mask[c] = 1.0
+        assert ups[c]["anchor_mask"].dtype == ups[c]["anchor_sum"].dtype == torch.float64
         assert_close_finite(ups[c]["anchor_mask"], mask, rtol=0, atol=0)
         assert_close_finite(ups[c]["anchor_sum"], models * mask[:, None], rtol=1e-10, atol=1e-12)
     assert_close_finite(algo.anchor_models, models, rtol=1e-10, atol=1e-12)
     assert sorted(algo.anchor_labels.tolist()) == [0, 1]  # two anchors, k = 2: one group each
+    assert algo.anchor_labels.dtype == algo.anchor_ids.dtype == torch.long
     assert_close_finite(glob["theta"], models[algo.anchor_labels.argsort().numpy()], rtol=1e-10, atol=1e-12)
     assert float(np.abs(models - theta0).max()) > 1e-2
+
+
+LINE = np.array([[0.0, 0.0], [10.0, 0.0], [3.0, 0.0]])  # three anchors on a line, 3 and 7 apart
+
+
+@pytest.mark.parametrize(
+    "delta, groups_at_half_delta",
+    [(2.5, [[0], [1], [2]]), (7.0, [[0, 2], [1]])],  # Δ/2 = 1.25: every anchor alone; Δ/2 = 3.5: 0 and 3 join
+)
+def test_group_anchors_numbers_groups_as_the_single_linkage_cut(delta, groups_at_half_delta):
+    """k = 3. With Δ = 2.5 the Δ/2 rule gives 3 groups: labels as scipy numbers the cut at distance Δ/2 (not the
+    order of the anchors). With Δ = 7 it gives 2 groups, so single linkage is cut at k = 3 groups instead."""
+    # the grouping at Δ/2, by hand: connected components of "closer than Δ/2"
+    close = np.linalg.norm(LINE[:, None] - LINE[None], axis=-1) <= delta / 2
+    comp = list(range(3))
+    for a in range(3):
+        for b in range(3):
+            if close[a, b]:
+                old, new = comp[b], comp[a]
+                comp = [new if c == old else c for c in comp]
+    by_hand = sorted(sorted(i for i in range(3) if comp[i] == c) for c in set(comp))
+    assert by_hand == groups_at_half_delta
+    tree = linkage(LINE, method="single")
+    if len(by_hand) == 3:
+        want = fcluster(tree, t=delta / 2, criterion="distance") - 1
+    else:
+        want = fcluster(tree, t=3, criterion="maxclust") - 1
+    labels, centres = group_anchors(torch.tensor(LINE), 3, delta)
+    assert labels.tolist() == want.tolist() and labels.dtype == torch.long
+    assert_close_finite(centres[labels], LINE, rtol=0, atol=0)  # one anchor per group: the centre is the anchor
+    if delta == 2.5:
+        assert labels.tolist() != [0, 1, 2]  # this cut's numbering differs from the anchors' order
+
+
+def test_group_anchors_with_one_anchor():
+    labels, centres = group_anchors(torch.tensor([[1.5, -2.0]], dtype=torch.float64), 1, 0.5)
+    assert labels.tolist() == [0] and labels.dtype == torch.long
+    assert_close_finite(centres, [[1.5, -2.0]], rtol=0, atol=0)
+
+
+def test_fedmd_passes_the_fedx_settings_to_ifca():
+    algo = FedMD(local_steps=3, lr=0.2, solver="prox")
+    assert (algo.local_steps, algo.lr, algo.solver) == (3, 0.2, "prox")
+
+
+def test_group_anchors_fills_an_empty_group_with_an_anchor():
+    """Anchors that never moved coincide: single linkage cannot split them into k = 2 groups; the empty group's
+    centre is anchor j mod H (here every anchor is the same point), never the mean of nothing."""
+    models = torch.tensor([[1.0, -1.0]] * 3, dtype=torch.float64)
+    labels, centres = group_anchors(models, 2)
+    assert labels.tolist() == [0, 0, 0]
+    assert_close_finite(centres, [[1.0, -1.0], [1.0, -1.0]], rtol=0, atol=0)
+
+
+def test_anchor_step_defaults_are_exact_svd_half_step_no_threshold_all_pairs():
+    x, y, theta, basis = anchor_problem(8, seed=3)
+    y, theta = 0.02 * y, 0.02 * theta  # small residuals: σ̂ < 1
+    new, sigma = anchor_step(*(torch.tensor(v) for v in (x, y, theta, basis)))
+    ref, ref_sigma = np_anchor_step(x, y, theta, basis, 0, 0.5, 0.0, "all")
+    assert 0.01 < ref_sigma < 1 and sigma == pytest.approx(ref_sigma, rel=1e-10)
+    assert_close_finite(new, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_anchor_step_keeps_the_power_iterations_sign_when_the_residuals_sum_to_zero():
+    """θ = 0, two copies of a point with opposite labels: e₂ = −e₁, so Σe = 0 exactly while A = −p₁p₁ᵀ ≠ 0.
+    Nothing to orient by: the step keeps the power iteration's β̂ (started from the positive vector 1/√k)."""
+    rng = np.random.default_rng(6)
+    x1 = rng.normal(size=5)
+    x, y = np.stack([x1, x1]), np.array([1.3, -1.3])
+    theta, basis = np.zeros(5), np.linalg.qr(rng.normal(size=(5, 3)))[0]
+    new, sigma = anchor_step(*(torch.tensor(v) for v in (x, y, theta, basis)), 3, 0.5, 0.0, "all")
+    ref, ref_sigma = np_anchor_step(x, y, theta, basis, 3, 0.5, 0.0, "all")
+    assert ref_sigma > 0.1 and sigma == pytest.approx(ref_sigma, rel=1e-10)
+    assert_close_finite(new, ref, rtol=1e-10, atol=1e-12)
