@@ -231,26 +231,28 @@ def test_fedmd_random_start_is_a_seeded_orthonormal_draw_per_iteration():
     assert float((algo.random_start(0, 5, torch.float64) - algo.random_start(1, 5, torch.float64)).abs().max()) > 0.1
 
 
+@pytest.mark.parametrize("model_dtype, data_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
 @pytest.mark.parametrize("pairing", ["all", "disjoint"])
-def test_fedmd_subspace_round_uploads_the_pair_moment_share_from_float32_data(pairing):
+def test_fedmd_subspace_round_uploads_the_pair_moment_share_in_the_models_dtype(pairing, model_dtype, data_dtype):
     """Round 1 (svd subspace): a client uploads Σ_{a≠b} e_a e_bᵀ / n for every anchor model, e = (y − xᵀθ)x; data
-    given in float32 are cast to the model's float64 first."""
-    net = ClusteredLinear(2, 4, seed=1)
+    in another dtype than the model's are cast to the model's first."""
+    net = ClusteredLinear(2, 4, seed=1).to(model_dtype)
     glob = {n: p.detach().clone() for n, p in net.named_parameters()}
     algo = FedMD(num_anchors=2, anchor_min_samples=1, pairing=pairing)
     algo.setup(glob, 3)
     rng = np.random.default_rng(5)
-    x32 = torch.tensor(rng.normal(size=(6, 4)), dtype=torch.float32)
-    y32 = torch.tensor(rng.normal(size=6), dtype=torch.float32)
+    x32 = torch.tensor(rng.normal(size=(6, 4)), dtype=data_dtype)
+    y32 = torch.tensor(rng.normal(size=6), dtype=data_dtype)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
     ctx = ClientContext(net, 1, x32, y32, None, opt, F.mse_loss, make_generator(0, 1), round_idx=1)
     up = algo.client_update(ctx, glob, {})
-    x, y = x32.double().numpy(), y32.double().numpy()
-    theta = glob["theta"][0].numpy()
+    x, y = x32.to(model_dtype).double().numpy(), y32.to(model_dtype).double().numpy()
+    theta = glob["theta"][0].double().numpy()
     e = (y - x @ theta)[:, None] * x
     share = np_pair_matrix(e, pairing) / 6
-    assert up.upload["moment"].dtype == torch.float64
-    assert_close_finite(up.upload["moment"], np.stack([share, share]), rtol=1e-10, atol=1e-12)
+    assert up.upload["moment"].dtype == model_dtype
+    tol = dict(rtol=1e-10, atol=1e-12) if model_dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    assert_close_finite(up.upload["moment"], np.stack([share, share]), **tol)
 
 
 def np_pair_matrix(e: np.ndarray, pairing: str) -> np.ndarray:
@@ -266,15 +268,16 @@ def qr_q(m: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("pairing", ["all", "disjoint"])
 def test_fedmd_orthogonal_phase1_round_by_round(pairing):
-    """One Phase-1 iteration with Algorithm 3 (orth_iters = 2) driven by hand: registration, YᵀQ₀ (Q₀ the seeded
-    random start), QR of Y·(YᵀQ₀), the anchors' steps (2 power iterations, step scale 0.6) and the grouping, every
-    upload and server state against numpy (Y over the chosen pairs; QR by torch.linalg.qr)."""
+    """One Phase-1 iteration with Algorithm 3 (orth_iters = 4) driven by hand: registration, YᵀQ₀ (Q₀ the seeded
+    random start), Q₁ = QR of Y·(YᵀQ₀), YᵀQ₁, QR of Y·(YᵀQ₁), the anchors' steps (2 power iterations, step scale
+    0.6) and the grouping, every upload and server state against numpy (Y over the chosen pairs; QR by
+    torch.linalg.qr)."""
     sizes, d = [6, 7, 5], 4
     rng = np.random.default_rng(9)
     data = [(rng.normal(size=(n, d)), rng.normal(size=n)) for n in sizes]
     net = ClusteredLinear(2, d, seed=1)
     glob = {n: p.detach().clone() for n, p in net.named_parameters()}
-    algo = FedMD(num_anchors=2, phase1_iters=1, subspace="orthogonal", orth_iters=2, power_iters=2, step_scale=0.6,
+    algo = FedMD(num_anchors=2, phase1_iters=1, subspace="orthogonal", orth_iters=4, power_iters=2, step_scale=0.6,
                  anchor_min_samples=6, pairing=pairing, seed=3)  # fmt: skip
     algo.setup(glob, 3)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
@@ -299,21 +302,19 @@ def test_fedmd_orthogonal_phase1_round_by_round(pairing):
     ys = [np_pair_matrix(ei, pairing) for ei in e]
     q0 = qr_q(torch.randn(2, d, 2, generator=make_generator(3, "fedmd-q0", 0), dtype=torch.float64).numpy())
 
-    ups = round_(1)  # Algorithm 3 step 5: Σ_i Y_iᵀ Q₀ (per client / n_i)
-    for c in range(3):
-        assert_close_finite(ups[c]["moment"], np.stack([ys[c].T @ q0[h] for h in range(2)]) / sizes[c], rtol=1e-10,
-                            atol=1e-12, msg=f"client {c}")  # fmt: skip
-    step6 = np.stack([sum(yc.T for yc in ys) @ q0[h] for h in range(2)]) / total
-    assert_close_finite(algo.basis, step6, rtol=1e-10, atol=1e-12)
+    q = q0
+    for sub in range(4):  # Algorithm 3: even sub-rounds Σ_i Y_iᵀ Q (step 5, kept as is), odd Σ_i Y_i Q then QR
+        ups = round_(1 + sub)
+        mats = [yc.T if sub % 2 == 0 else yc for yc in ys]
+        for c in range(3):
+            want = np.stack([mats[c] @ q[h] for h in range(2)]) / sizes[c]
+            assert_close_finite(ups[c]["moment"], want, rtol=1e-9, atol=1e-12, msg=f"sub-round {sub}, client {c}")
+        agg = np.stack([sum(mats) @ q[h] for h in range(2)]) / total
+        q = agg if sub % 2 == 0 else qr_q(agg)
+        assert_close_finite(algo.basis, q, rtol=1e-9, atol=1e-12, msg=f"sub-round {sub}")
+    basis = q
 
-    ups = round_(2)  # step 8: Σ_i Y_i (YᵀQ₀), then QR
-    for c in range(3):
-        assert_close_finite(ups[c]["moment"], np.stack([ys[c] @ step6[h] for h in range(2)]) / sizes[c], rtol=1e-10,
-                            atol=1e-12, msg=f"client {c}")  # fmt: skip
-    basis = qr_q(np.stack([sum(ys) @ step6[h] for h in range(2)]) / total)
-    assert_close_finite(algo.basis, basis, rtol=1e-9, atol=1e-12)
-
-    ups = round_(3)  # the anchors' steps
+    ups = round_(5)  # the anchors' steps
     models = np.stack(
         [np_anchor_step(*data[h], theta0, basis[h], 2, 0.6, 0.0, pairing)[0] for h in range(2)]
     )
