@@ -550,6 +550,14 @@ class VectorizedContext:
             return self._sgd_client_by_client(*args)
         return self._sgd_batched(rule, head_only, *args)
 
+    def _plan(self, epochs: int, bs: int, min_batch: int, max_steps: int | None) -> PhasePlan:
+        """This phase's ``plan_phase`` for the cohort (augmentation draws made ahead where the augmentation can)."""
+        augment = self.augment if draws_ahead(self.augment) else None
+        return plan_phase(
+            self.sizes, self.offsets, self.generators, self.step_budgets, augment,
+            epochs, bs, min_batch, max_steps, self.device,
+        )  # fmt: skip
+
     def _sgd_batched(
         self,
         rule: BatchedRule,
@@ -564,11 +572,7 @@ class VectorizedContext:
         bs: int,
         min_batch: int,
     ) -> Params:
-        augment = self.augment if draws_ahead(self.augment) else None
-        plan = plan_phase(
-            self.sizes, self.offsets, self.generators, self.step_budgets, augment,
-            epochs, bs, min_batch, max_steps, self.device,
-        )  # fmt: skip
+        plan = self._plan(epochs, bs, min_batch, max_steps)
         self.steps_taken = plan.steps
         if plan.num_steps == 0:
             self.train_loss = torch.zeros(self.num_clients, device=self.device)
@@ -745,11 +749,7 @@ class VectorizedContext:
         ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
         builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward``, without a
         context or a batch generator per client."""
-        augment = self.augment if draws_ahead(self.augment) else None
-        plan = plan_phase(
-            self.sizes, self.offsets, self.generators, self.step_budgets, augment,
-            epochs, bs, min_batch, max_steps, self.device,
-        )  # fmt: skip
+        plan = self._plan(epochs, bs, min_batch, max_steps)
         data_x, data_y = self.data
         trained: dict[str, list[Tensor]] = {n: [] for n in trainable}
         losses = []
