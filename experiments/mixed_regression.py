@@ -46,7 +46,7 @@ from datamodules.mixed_regression import (
     permutation_distance,
     resolve_setting,
 )
-from fl_lightning.algorithms.ifca import assign_clusters
+from fl_lightning.algorithms.ifca import assign_clusters, cluster_residuals
 from fl_lightning.algorithms.moment_descent import (
     anchor_step,
     default_num_anchors,
@@ -105,15 +105,20 @@ def batched_pair_moment(groups: list[tuple[Tensor, Tensor, Tensor]], models: Ten
     return out
 
 
+#: Phase 1's settings that the paper does not give (module docstring): anchors among clients with ≥ 20 points, step ½
+ANCHOR_MIN_SAMPLES = 20
+STEP_SCALE = 0.5
+
+
 def fedmd_phase1(
     problem: dict[str, Tensor],
     groups: list[tuple[Tensor, Tensor, Tensor]],
     theta0: Tensor,
     k: int,
     iters: int = 5,
-    anchor_min_samples: int = 20,
+    anchor_min_samples: int = ANCHOR_MIN_SAMPLES,
     seed: int = 0,
-    step_scale: float = 0.5,
+    step_scale: float = STEP_SCALE,
     num_anchors: int | None = None,
     pairing: str = "all",
 ) -> tuple[Tensor, list[Tensor], Tensor]:
@@ -306,9 +311,10 @@ class SeedsFedX:
     (``AffineFedX.svd``) are computed once per seed and shared by every method's rounds, and so are the clients'
     terms wᵢ(M_i − I) [d, d] of the cluster sums (eq. (11)), which a round adds to (removes from) the sums of the
     clusters its clients join (leave), for all seeds in one ``index_add_``. A client's assignment (eq. (8)) is
-    computed by ``assign_clusters``' formula, but only when bounds cannot prove it unchanged (``round``). So the
-    assignments are those of the seed's own ``AffineFedX`` (unless two residuals tie to rounding), and θ equals
-    its θ up to float64 rounding (the sums are taken in another order; ``tests/test_mixed_regression_seeds.py``)."""
+    computed by ``cluster_residuals`` (``assign_clusters``' residuals), but only when bounds cannot prove it
+    unchanged (``round``). So the assignments are those of the seed's own ``AffineFedX`` (unless two residuals tie
+    to rounding), and θ equals its θ up to float64 rounding (the sums are taken in another order;
+    ``tests/test_mixed_regression_seeds.py``)."""
 
     def __init__(self, per_seed: list[AffineFedX]) -> None:
         groups = range(len(per_seed[0].groups))
@@ -365,13 +371,10 @@ class SeedsFedX:
             redo = self.lower[g] - self.upper[g] <= 2 * margin
         dense = redo.sum(1) > redo.shape[1] // 4  # seeds for which one pass over all their clients is cheaper
         for s in dense.nonzero().flatten().tolist():
-            x, y = self.x[g][s], self.y[g][s]
-            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,kd->bnk", x, theta[s])) ** 2).sum(1)  # assign_clusters'
-            self._restart(g, z, s, slice(None), residual, margin)
+            self._restart(g, z, s, slice(None), cluster_residuals(self.x[g][s], self.y[g][s], theta[s]), margin)
         seed, client = (redo & ~dense.unsqueeze(1)).nonzero(as_tuple=True)
         if len(seed):
-            x, y = self.x[g][seed, client], self.y[g][seed, client]
-            residual = ((y.unsqueeze(-1) - torch.einsum("bnd,bkd->bnk", x, theta[seed])) ** 2).sum(1)
+            residual = cluster_residuals(self.x[g][seed, client], self.y[g][seed, client], theta[seed])
             self._restart(g, z, seed, client, residual, margin)
         return z
 
@@ -392,8 +395,8 @@ class SeedsFedX:
         takes σ_max max_j ‖Δθ_j‖ from ℓ. While ℓ − u > 2m, with m = ``BOUND_MARGIN``·(‖y_i‖ + ‖X_i‖_F max_j ‖θ_j‖),
         z is still the strict argmin of the residuals as ``assign_clusters`` computes them: their rounding error
         (about d·1e-16 of that scale) and that of the bounds (σ_max enlarged by ``SPECTRAL_SLACK``; the additions'
-        rounding, 1e-16 of it per round) are far inside m. Otherwise the residuals are computed (``assign_clusters``'
-        formula) and the bounds restart from them, widened by m."""
+        rounding, 1e-16 of it per round) are far inside m. Otherwise the residuals are computed (``cluster_residuals``)
+        and the bounds restart from them, widened by m."""
         k = theta.shape[1]
         if labels is None and k > 1:
             drift = None if self.bounded is None else (theta - self.bounded).norm(dim=-1)  # [S, k]
@@ -494,7 +497,7 @@ def fedmd_phase1_seeds(
     (``client_blocks``, ``pair_moment_all``) and, for the ``all`` pairing, Û taken from one batched symmetric
     eigendecomposition of every seed's Y (``symmetric_top_subspace``)."""
     h = default_num_anchors(k)
-    anchors = [draw_anchors(p["sizes"], h, 20, s) for p, s in zip(problems, seeds)]
+    anchors = [draw_anchors(p["sizes"], h, ANCHOR_MIN_SAMPLES, s) for p, s in zip(problems, seeds)]
     blocks = [client_blocks(g) for g in groups]
     models = theta0.unsqueeze(1)  # [S, 1, d]: the anchors' common start
     histories: list[list[Tensor]] = [[] for _ in seeds]
@@ -503,7 +506,7 @@ def fedmd_phase1_seeds(
             basis = symmetric_top_subspace(torch.stack([pair_moment_all(b, m) for b, m in zip(blocks, models)]), k)
         else:
             basis = top_subspace(torch.stack([batched_pair_moment(b, m, pairing) for b, m in zip(blocks, models)]), k)
-        models = torch.stack([anchor_steps(p, a, m.expand(h, -1), b.expand(h, -1, -1), 0.5, pairing)
+        models = torch.stack([anchor_steps(p, a, m.expand(h, -1), b.expand(h, -1, -1), STEP_SCALE, pairing)
                               for p, a, m, b in zip(problems, anchors, models, basis)])  # fmt: skip
         for history, m in zip(histories, models):
             history.append(group_anchors(m, k)[1])

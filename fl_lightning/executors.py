@@ -481,11 +481,11 @@ class VectorizedContext:
     def _body_rows(self, body: Params, x: Tensor, draws: Tensor | None = None) -> Tensor:
         """φ(x) of rows ``x`` with one body, in chunks (``channels_last`` for images), each chunk augmented with
         its ``draws`` first when given."""
-        n = feature_chunk(self.device)
-        chunks = [(c, None if draws is None else draws[i : i + n]) for i, c in zip(range(0, len(x), n), x.split(n))]
+        xs = x.split(feature_chunk(self.device))
+        ds = [None] * len(xs) if draws is None else draws.split(feature_chunk(self.device))
         return torch.cat(
             [sequential_forward(self.net.body, body, _channels_last(c if d is None else self.augment.apply(c, d)))
-             for c, d in chunks]
+             for c, d in zip(xs, ds, strict=True)]
         )  # fmt: skip
 
     @torch.no_grad()

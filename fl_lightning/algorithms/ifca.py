@@ -21,10 +21,16 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.local import ClientContext, Params
 
 
+def cluster_residuals(x: Tensor, y: Tensor, theta: Tensor) -> Tensor:
+    """Eq. (8)'s squared residuals ‖y_i − X_iθ_j‖² of a batch of equally sized clients: x [B, n, d], y [B, n],
+    theta [k, d] (the same models for every client) or [B, k, d] (each client its own) → [B, k]."""
+    predicted = torch.einsum("bnd,kd->bnk" if theta.dim() == 2 else "bnd,bkd->bnk", x, theta)
+    return ((y.unsqueeze(-1) - predicted) ** 2).sum(1)
+
+
 def assign_clusters(x: Tensor, y: Tensor, theta: Tensor) -> Tensor:
     """Eq. (8) for a batch of equally sized clients: x [B, n, d], y [B, n], theta [k, d] → z [B]."""
-    residual = ((y.unsqueeze(-1) - torch.einsum("bnd,kd->bnk", x, theta)) ** 2).sum(1)  # [B, k]
-    return residual.argmin(-1)
+    return cluster_residuals(x, y, theta).argmin(-1)
 
 
 def refine(x: Tensor, y: Tensor, start: Tensor, lr: float, steps: int, solver: Literal["gd", "prox"] = "gd") -> Tensor:
