@@ -27,7 +27,8 @@ def run_tests(mutant: str, pytest_args: list[str]) -> int:
     """pytest's exit status with ``mutant`` active ("" = the original code), run from ``mutants/``."""
     env = dict(os.environ, MUTANT_UNDER_TEST=mutant, WANDB_MODE="disabled", PY_IGNORE_IMPORTMISMATCH="1")
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args]
-    return subprocess.run(command, cwd=MUTANTS, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    return subprocess.run(command, cwd=MUTANTS, env=env, **quiet).returncode
 
 
 def main(argv: list[str]) -> int:

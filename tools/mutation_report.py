@@ -6,7 +6,13 @@ test failed (exit 1/3), timed out or crashed; it *survived* when the tests passe
 calls the mutated function ("no tests"). Mutants named in ``tests/mutation_equivalent.md`` (one line each on why
 the change cannot alter a result) leave the denominator of ``kill_rate``; ``raw_kill_rate`` keeps them.
 
-    python tools/mutation_report.py [--mutants mutants] [--out results/mutation] [--survivors]
+mutmut numbers the mutants of a function in order, so a change to the function (or to the mutation settings) can
+give an old number to another mutant. Every entry therefore pins the mutated code it was written for:
+``- `NAME` (`+mutated line`): why``. An entry whose pinned line is not the mutant's current one is *stale*: it is
+not applied (the mutant counts as surviving) and is printed, so it is re-read. ``--pin`` writes the current mutated
+line into entries that have none (do it right after reading the diffs you are vouching for).
+
+    python tools/mutation_report.py [--mutants mutants] [--out results/mutation] [--survivors] [--pin]
 
 Prints a table (one row per module, then the total), writes ``results.json`` (records ``experiment="mutation"``,
 ``method=<module>``, metrics ``kill_rate``, ``raw_kill_rate``, ``killed``, ``survived``, ``pending``, …) and prints
@@ -16,9 +22,12 @@ Prints a table (one row per module, then the total), writes ``results.json`` (re
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
 import json
 import re
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -31,7 +40,7 @@ KILLED_CODES = {1, 3, 24, -24, 152, 255, 36, 37, -9, -11}  # test failure, pytes
 SURVIVED_CODES = {0}
 NO_TESTS_CODES = {5, 33}
 SKIPPED_CODES = {34}
-MUTANT_NAME = re.compile(r"`([\w.ǁ]+__mutmut_\d+)`")
+ENTRY = re.compile(r"^- `(?P<name>[\w.ǁ]+__mutmut_\d+)`(?: \(`(?P<pinned>.*)`\))?:", re.MULTILINE)
 
 
 def classify(exit_code: int | None) -> str:
@@ -48,11 +57,68 @@ def classify(exit_code: int | None) -> str:
     return "suspicious"
 
 
-def equivalent_mutants(path: Path) -> set[str]:
-    """Mutant names written in backticks in ``tests/mutation_equivalent.md``."""
+def source_file(name: str, mutants_dir: Path) -> Path:
+    """``fl_lightning.aggregation.x_gather_rows__mutmut_3`` -> ``mutants/fl_lightning/aggregation.py``."""
+    module = name.rpartition(".")[0]
+    return mutants_dir / (module.replace(".", "/") + ".py")
+
+
+def function_sources(path: Path, cache: dict[Path, dict[str, str]]) -> dict[str, str]:
+    """Every function (and method) of a mutated file by name, as dedented source."""
+    if path not in cache:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+        tree = ast.parse(text) if text else ast.Module(body=[], type_ignores=[])
+        lines = text.splitlines()
+        cache[path] = {node.name: textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+                       for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return cache[path]
+
+
+def mutated_line(name: str, mutants_dir: Path, cache: dict[Path, dict[str, str]]) -> str | None:
+    """The mutant's changed line(s), stripped (several joined by `` ⏎ ``); None when the mutant does not exist."""
+    functions = function_sources(source_file(name, mutants_dir), cache)
+    mutant = name.rpartition(".")[2]
+    original = mutant.partition("__mutmut_")[0] + "__mutmut_orig"
+    if mutant not in functions or original not in functions:
+        return None
+    body = [line.replace(mutant, "F") for line in functions[mutant].splitlines()]
+    orig = [line.replace(original, "F") for line in functions[original].splitlines()]
+    diff = difflib.unified_diff(orig, body, lineterm="", n=0)
+    added = [line[1:].strip() for line in diff if line.startswith("+") and not line.startswith("+++")]
+    return " ⏎ ".join(added)
+
+
+def equivalent_mutants(path: Path, mutants_dir: Path) -> tuple[set[str], list[str]]:
+    """The names listed in ``tests/mutation_equivalent.md`` whose pinned line is still theirs, and the stale ones."""
     if not path.exists():
-        return set()
-    return set(MUTANT_NAME.findall(path.read_text(encoding="utf-8")))
+        return set(), []
+    cache: dict[Path, dict[str, str]] = {}
+    valid, stale = set(), []
+    for match in ENTRY.finditer(path.read_text(encoding="utf-8")):
+        name, pinned = match["name"], match["pinned"]
+        current = mutated_line(name, mutants_dir, cache)
+        if current is not None and (pinned is None or pinned == current):
+            valid.add(name)
+        elif current is not None or pinned is not None:
+            stale.append(f"{name} (pinned `{pinned}`, now `{current}`)")
+    return valid, stale
+
+
+def pin_entries(path: Path, mutants_dir: Path) -> int:
+    """Write the current mutated line into every entry that has none; returns how many were pinned."""
+    cache: dict[Path, dict[str, str]] = {}
+    pinned = 0
+
+    def pin(match: re.Match[str]) -> str:
+        nonlocal pinned
+        current = mutated_line(match["name"], mutants_dir, cache)
+        if match["pinned"] is not None or current is None:
+            return match[0]
+        pinned += 1
+        return f"- `{match['name']}` (`{current}`):"
+
+    path.write_text(ENTRY.sub(pin, path.read_text(encoding="utf-8")), encoding="utf-8")
+    return pinned
 
 
 def module_of(meta: Path, mutants_dir: Path) -> str:
@@ -95,11 +161,15 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "mutation", help="where results.json goes")
     parser.add_argument("--equivalent", type=Path, default=ROOT / "tests" / "mutation_equivalent.md")
     parser.add_argument("--survivors", action="store_true", help="list every surviving mutant by name")
+    parser.add_argument("--pin", action="store_true", help="pin unpinned equivalence entries to their mutated line")
     args = parser.parse_args(argv)
     if not args.mutants.is_dir():
         raise SystemExit(f"no mutmut results in {args.mutants}: run `make mutation` first")
+    if args.pin:
+        print(f"pinned {pin_entries(args.equivalent, args.mutants)} entries of {args.equivalent}")
 
-    modules = tally(args.mutants, equivalent_mutants(args.equivalent))
+    equivalent, stale = equivalent_mutants(args.equivalent, args.mutants)
+    modules = tally(args.mutants, equivalent)
     total: Counter[str] = Counter()
     rows, records = [], []
     for module, info in modules.items():
@@ -121,6 +191,8 @@ def main(argv: list[str] | None = None) -> Path:
     print(format_table(["module", "mutants", "killed", "survived", "no tests", "equivalent", "pending",
                         "kill_rate", "raw_kill_rate"], rows))
     print("kill_rate = killed / (mutants tested - equivalent); pending = not yet tested (run `make mutation` again)")
+    for entry in stale:
+        print(f"stale equivalence entry (not applied; re-read the mutant): {entry}")
     if args.survivors:
         for info in modules.values():
             for name in info["survivors"]:  # type: ignore[union-attr]

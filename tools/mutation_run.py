@@ -1,0 +1,55 @@
+"""``mutmut run`` with every function's tests capped at its N fastest (what ``make mutation`` calls).
+
+mutmut runs, for each mutant, every (unmarked) test that called the mutated function, fastest first, stopping at the
+first failure. A killed mutant is cheap; a surviving one re-runs all of them. The round and module code is called by
+almost every test (about 250 tests, some 190 s on one core), so each survivor there would cost minutes and a first
+run many hours on 2 cores. With ``--max-tests N`` each function keeps only the N fastest tests that call it (the
+unit tests written for it are usually among them); a mutant that only a slower test would kill then counts as
+surviving, so the reported kill rate is a lower bound. ``--max-tests 0`` runs mutmut unchanged, with every test;
+use it on named survivors to see whether a slower test already kills them. The cap lives only in this process:
+mutmut's saved statistics (``mutants/mutmut-stats.json``) keep every test.
+
+    python tools/mutation_run.py [--max-tests N] [--max-children K] [MUTANT_NAME_OR_GLOB ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def cap_tests(tests_by_function: dict[str, set[str]], duration_by_test: dict[str, float], limit: int) -> int:
+    """Keep each function's ``limit`` fastest tests (ties broken by name); returns how many selections were cut."""
+    cut = 0
+    for function, tests in tests_by_function.items():
+        if len(tests) > limit:
+            tests_by_function[function] = set(sorted(tests, key=lambda t: (duration_by_test.get(t, 0.0), t))[:limit])
+            cut += 1
+    return cut
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tests", type=int, default=20, help="tests per mutated function (0: all)")
+    parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once")
+    parser.add_argument("mutants", nargs="*", help="mutant names or globs (default: every mutant not yet tested)")
+    args = parser.parse_args(argv)
+
+    import mutmut.__main__ as mutmut_main
+    from mutmut.state import state
+
+    if args.max_tests > 0:
+        load_stats = mutmut_main.collect_or_load_stats
+
+        def collect_then_cap(*a: Any, **kw: Any) -> None:
+            load_stats(*a, **kw)  # collects/loads and saves the full statistics first
+            cut = cap_tests(state().tests_by_mangled_function_name, state().duration_by_test, args.max_tests)
+            print(f"    test selection capped at the {args.max_tests} fastest tests for {cut} functions")
+
+        mutmut_main.collect_or_load_stats = collect_then_cap
+    mutmut_main.run.main(["--max-children", str(args.max_children), *args.mutants], standalone_mode=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
