@@ -159,6 +159,7 @@ def test_validate_subcommand_reproduces_the_final_logged_accuracy(finished_run):
     assert (finished_run / "validate" / "metrics.csv").exists()
 
 
+@pytest.mark.slow  # the module fixture is a whole 5-round run: setup time that mutmut's timing cannot see
 def test_test_subcommand_evaluates_the_test_split_and_new_clients(finished_run, tmp_path):
     args = ["--config", QUICK, *QUIET, "--run_dir", str(finished_run), "--ckpt_path", "last"]
     assert cli("test", *args) == 0
@@ -253,6 +254,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow  # the module fixture is a whole 5-round run: setup time that mutmut's timing cannot see
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gives_one_line_and_exit_code_2(case, finished_run, tmp_path, capsys):
     make_args, expected = BAD[case]

@@ -467,6 +467,7 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@pytest.mark.slow  # its module fixture trains every method twice: setup time that mutmut's timing cannot see
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_runs_on_digits_in_both_executors_with_new_clients(method, digits_runs):
     seq, _ = digits_runs[method, "sequential"]
