@@ -86,3 +86,10 @@ def test_cap_keeps_the_fastest_tests_of_each_function() -> None:
     selection = {"f": {"a", "b", "c", "d", "e"}, "g": {"e", "a"}}
     assert cap_tests(selection, durations, 3) == 1
     assert selection == {"f": {"b", "d", "c"}, "g": {"e", "a"}}
+
+
+def test_cap_takes_one_case_of_each_test_function_before_a_second() -> None:
+    durations = {"t::p[1]": 0.0, "t::p[2]": 0.0, "t::p[3]": 0.0, "t::q": 0.2, "t::r[1]": 0.1, "t::r[2]": 0.3}
+    selection = {"f": set(durations)}
+    cap_tests(selection, durations, 4)
+    assert selection["f"] == {"t::p[1]", "t::r[1]", "t::q", "t::p[2]"}
