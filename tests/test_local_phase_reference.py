@@ -144,22 +144,15 @@ def test_sgd_default_min_batch_steps_on_a_single_sample_batch_and_weight_decay()
     assert int(ctx.steps_taken) == 3
 
 
-def test_sgd_max_steps_stops_exactly() -> None:
-    """``max_steps`` = 3 with 3 batches per epoch and 2 epochs: exactly 3 steps."""
+@pytest.mark.parametrize("max_steps", [3, 1])
+def test_sgd_max_steps_stops_exactly(max_steps: int) -> None:
+    """``max_steps`` with 3 batches per epoch and 2 epochs: exactly that many steps, and with one step
+    ``train_loss`` is that minibatch's loss."""
     net, (x, y) = _net(), _data(10)
     ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4))
-    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=3)
-    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=3))
-    assert int(ctx.steps_taken) == 3
-
-
-def test_sgd_single_step_loss_is_that_steps_loss() -> None:
-    """One step (``max_steps`` = 1): ``train_loss`` is that minibatch's loss."""
-    net, (x, y) = _net(), _data(10)
-    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4))
-    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=1)
-    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=1))
-    assert int(ctx.steps_taken) == 1
+    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=max_steps)
+    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=max_steps))
+    assert int(ctx.steps_taken) == max_steps
 
 
 def test_sgd_straggler_budget_counts_only_batches_of_min_batch() -> None:
