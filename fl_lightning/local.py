@@ -162,8 +162,9 @@ def state_template(optimizer: ClientOptimizer, params: Params) -> Params:
     for n, p in params.items():
         out[state_name(STEPS, n)] = torch.zeros((), dtype=torch.long, device=p.device)
         for key, value in keys.items():
-            shape = () if value.dim() == 0 else p.shape
-            out[state_name(key, n)] = torch.zeros(shape, dtype=value.dtype, device=p.device)
+            # scalar state (Adam's ``step``) keeps torch's scalar dtype; elementwise state takes the parameter's
+            shape, dtype = ((), value.dtype) if value.dim() == 0 else (p.shape, p.dtype)
+            out[state_name(key, n)] = torch.zeros(shape, dtype=dtype, device=p.device)
     return out
 
 

@@ -9,12 +9,14 @@ the leaf's device are then different, as on a GPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from helpers import assert_close_finite
 from torch import nn
 from torch.nn import functional as F
 
-from fl_lightning.local import ClientContext, ClientOptimizer, load_state, save_state, state_name
+from fl_lightning.local import ClientContext, ClientOptimizer, load_state, save_state, state_name, state_template
 from fl_lightning.rounds import make_generator
 
 
@@ -149,3 +151,45 @@ def test_fresh_client_context_reports_no_loss_no_steps_and_no_kept_state() -> No
     assert ctx.steps_taken.dtype == torch.long
     assert int(ctx.steps_taken) == 0
     assert ctx.optimizer_state is None
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear(3, 2)`` with the engine's forward signature (``side`` information, unused)."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_kept_state_takes_the_parameter_dtype_and_continues_adam_in_float64() -> None:
+    """A float64 network with kept Adam state (as the linear algorithms run outside ``precision: 64-true``): the
+    template's elementwise state is float64 like the parameters, the scalar ``step`` keeps torch's scalar dtype, and
+    two full-batch phases continue one plain ``torch.optim.Adam`` run over the same two steps."""
+    torch.manual_seed(0)
+    net = _Linear().double()
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 0, 1, 0])
+    optimizer = ClientOptimizer.from_config(functools.partial(torch.optim.Adam, lr=0.05), batch_size=6)
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    template = state_template(optimizer, params)
+    for n, p in params.items():
+        assert template[state_name("exp_avg", n)].dtype == torch.float64
+        assert template[state_name("exp_avg_sq", n)].shape == p.shape
+        assert template[state_name("step", n)].dtype == torch.get_default_dtype()
+        assert template[state_name("steps", n)].dtype == torch.long
+    ctx = ClientContext(net, 0, x, y, None, optimizer, F.cross_entropy, make_generator(0, "t", 0, 0))
+    ctx.optimizer_state = template
+    out = ctx.sgd(ctx.sgd(params, list(params), epochs=1), list(params), epochs=1)
+
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    reference = torch.optim.Adam(list(leaves.values()), lr=0.05)
+    for _ in range(2):
+        reference.zero_grad()
+        F.cross_entropy(x @ leaves["weight"].T + leaves["bias"], y).backward()
+        reference.step()
+    for n, leaf in leaves.items():
+        assert out[n].dtype == torch.float64
+        assert_close_finite(out[n], leaf.detach(), rtol=1e-12, atol=1e-12)
+        assert_close_finite(ctx.optimizer_state[state_name("exp_avg", n)], reference.state[leaf]["exp_avg"])
+        assert int(ctx.optimizer_state[state_name("steps", n)]) == 2
