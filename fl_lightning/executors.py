@@ -351,7 +351,8 @@ def plan_phase(
         per_client.append((rows, draws))
         steps.append(taken)
     total = max(steps, default=0)
-    width = 1 + (per_client[0][1][0][0, 0].numel() if any(d for _, d in per_client) else 0)
+    first_draws = next((draws[0] for _, draws in per_client if draws), None)  # a client with no step draws none
+    width = 1 + (first_draws[0, 0].numel() if first_draws is not None else 0)
     packed = torch.zeros(total, len(sizes), batch_size, width, dtype=torch.long)
     packed[..., 0] = -1  # padding rows (their draws stay 0: any valid draw, masked out of the loss)
     for k, (rows, draws) in enumerate(per_client):
