@@ -88,6 +88,23 @@ def test_cap_keeps_the_fastest_tests_of_each_function() -> None:
     assert selection == {"f": {"b", "d", "c"}, "g": {"e", "a"}}
 
 
+def test_time_budget_skips_tests_that_do_not_fit_and_always_keeps_the_first() -> None:
+    """Order: a (1 s), b (2 s), c (3 s), d (4 s). A 6 s budget keeps a + b (3 s), skips c (would be 6 s... fits
+    exactly: 1 + 2 + 3 = 6) and then d (10 s): {a, b, c}; a 2.5 s budget keeps a, skips b (3 s) and everything after;
+    a budget below the fastest test still keeps that one test; 0 means no budget."""
+    durations = {"t::a": 1.0, "t::b": 2.0, "t::c": 3.0, "t::d": 4.0}
+    for budget, expected in [(6.0, {"t::a", "t::b", "t::c"}), (2.5, {"t::a"}), (0.5, {"t::a"}), (0.0, set(durations))]:
+        selection = {"f": set(durations)}
+        cut = cap_tests(selection, durations, 0, budget)
+        assert selection["f"] == expected, budget
+        assert cut == (expected != set(durations))
+    # a slow test that does not fit is skipped, a later faster one still fits (round-robin order: p[1], q, p[2])
+    durations = {"t::p[1]": 1.0, "t::p[2]": 1.5, "t::q": 5.0}
+    selection = {"f": set(durations)}
+    cap_tests(selection, durations, 20, 3.0)
+    assert selection["f"] == {"t::p[1]", "t::p[2]"}
+
+
 def test_cap_takes_one_case_of_each_test_function_before_a_second() -> None:
     durations = {"t::p[1]": 0.0, "t::p[2]": 0.0, "t::p[3]": 0.0, "t::q": 0.2, "t::r[1]": 0.1, "t::r[2]": 0.3}
     selection = {"f": set(durations)}

@@ -7,9 +7,11 @@ run many hours on 2 cores. With ``--max-tests N`` each function keeps only N of 
 fastest case of each test function first (the unit tests written for it are usually among them); a mutant that only
 a slower test would kill then counts as surviving, so the reported kill rate is a lower bound. ``--max-tests 0``
 runs mutmut unchanged, with every test; use it on named survivors to see whether a slower test already kills them.
+``--max-seconds S`` also caps the recorded duration of each function's kept tests at S seconds (the first test is
+always kept): without it a surviving mutant of the round code still costs its 20 tests, half a minute or more.
 The cap lives only in this process: mutmut's saved statistics (``mutants/mutmut-stats.json``) keep every test.
 
-    python tools/mutation_run.py [--max-tests N] [--max-children K] [MUTANT_NAME_OR_GLOB ...]
+    python tools/mutation_run.py [--max-tests N] [--max-seconds S] [--max-children K] [MUTANT_NAME_OR_GLOB ...]
 """
 
 from __future__ import annotations
@@ -19,27 +21,45 @@ import sys
 from typing import Any
 
 
-def cap_tests(tests_by_function: dict[str, set[str]], duration_by_test: dict[str, float], limit: int) -> int:
-    """Keep at most ``limit`` tests per function, spread over test functions: the fastest case of every test function
-    first (fastest function first), then every function's second-fastest case, and so on, so that one parametrized
-    test cannot fill the selection with its cases. Returns how many selections were cut."""
+def cap_tests(
+    tests_by_function: dict[str, set[str]], duration_by_test: dict[str, float], limit: int, max_seconds: float = 0.0
+) -> int:
+    """Keep at most ``limit`` tests per function (0: no limit), spread over test functions: the fastest case of every
+    test function first (fastest function first), then every function's second-fastest case, and so on, so that one
+    parametrized test cannot fill the selection with its cases. With ``max_seconds`` > 0 the kept tests' recorded
+    durations also sum to at most that (a test that does not fit is skipped, a later, faster one may still fit; the
+    first test is always kept), which bounds what one surviving mutant costs. Returns how many selections were cut."""
     cut = 0
     for function, tests in tests_by_function.items():
-        if len(tests) <= limit:
+        if not tests:
             continue
         cases: dict[str, list[str]] = {}
         for test in sorted(tests, key=lambda t: (duration_by_test.get(t, 0.0), t)):
             cases.setdefault(test.partition("[")[0], []).append(test)
         rounds = [test for depth in range(max(map(len, cases.values()))) for group in cases.values()
                   for test in group[depth : depth + 1]]
-        tests_by_function[function] = set(rounds[:limit])
-        cut += 1
+        kept: list[str] = []
+        seconds = 0.0
+        for test in rounds:
+            if limit > 0 and len(kept) == limit:
+                break
+            duration = duration_by_test.get(test, 0.0)
+            if max_seconds > 0 and kept and seconds + duration > max_seconds:
+                continue
+            kept.append(test)
+            seconds += duration
+        if len(kept) < len(tests):
+            tests_by_function[function] = set(kept)
+            cut += 1
     return cut
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tests", type=int, default=20, help="tests per mutated function (0: all)")
+    parser.add_argument(
+        "--max-seconds", type=float, default=0.0, help="recorded test seconds per mutated function (0: no limit)"
+    )
     parser.add_argument("--max-children", type=int, default=2, help="mutants tested at once")
     parser.add_argument("mutants", nargs="*", help="mutant names or globs (default: every mutant not yet tested)")
     args = parser.parse_args(argv)
@@ -47,13 +67,14 @@ def main(argv: list[str]) -> None:
     import mutmut.__main__ as mutmut_main
     from mutmut.state import state
 
-    if args.max_tests > 0:
+    if args.max_tests > 0 or args.max_seconds > 0:
         load_stats = mutmut_main.collect_or_load_stats
 
         def collect_then_cap(*a: Any, **kw: Any) -> None:
             load_stats(*a, **kw)  # collects/loads and saves the full statistics first
-            cut = cap_tests(state().tests_by_mangled_function_name, state().duration_by_test, args.max_tests)
-            print(f"    test selection capped at the {args.max_tests} fastest tests for {cut} functions")
+            selection, durations = state().tests_by_mangled_function_name, state().duration_by_test
+            cut = cap_tests(selection, durations, args.max_tests, args.max_seconds)
+            print(f"    test selection capped ({args.max_tests} tests, {args.max_seconds:g} s) for {cut} functions")
 
         mutmut_main.collect_or_load_stats = collect_then_cap
     mutmut_main.run.main(["--max-children", str(args.max_children), *args.mutants], standalone_mode=False)
