@@ -49,17 +49,19 @@ bench: $(STAMP)
 # mutation testing ([tool.mutmut] in pyproject.toml; not part of `make test` or CI). Incremental: mutants/ keeps every
 # verdict and only functions whose source changed are re-tested; MUTANTS="fl_lightning.metrics*" re-tests those by name
 # (after adding tests that should kill survivors). Then prints the kill rate per module (tools/mutation_report.py).
-# Each mutated function is tested with its MUTATION_MAX_TESTS fastest tests (0: every test that calls it; see
-# tools/mutation_run.py); the kill rate is then a lower bound.
+# Each mutated function is tested with its MUTATION_MAX_TESTS fastest tests, at most MUTATION_MAX_SECONDS of recorded
+# test time (0: no cap; see tools/mutation_run.py); the kill rate is then a lower bound.
 MUTATION_STAMP := $(VENV)/.installed-mutation
 MUTANTS ?=
 MUTATION_MAX_TESTS ?= 20
+MUTATION_MAX_SECONDS ?= 5
 $(MUTATION_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,mutation]"
 	touch $(MUTATION_STAMP)
 
 mutation: $(MUTATION_STAMP)
-	OMP_NUM_THREADS=1 WANDB_MODE=disabled $(PY) tools/mutation_run.py --max-tests $(MUTATION_MAX_TESTS) --max-children 2 $(MUTANTS)
+	OMP_NUM_THREADS=1 WANDB_MODE=disabled $(PY) tools/mutation_run.py --max-tests $(MUTATION_MAX_TESTS) \
+		--max-seconds $(MUTATION_MAX_SECONDS) --max-children 2 $(MUTANTS)
 	$(PY) tools/mutation_report.py
 
 mutation-report: $(STAMP)
