@@ -1,0 +1,133 @@
+"""pFedMe (Dinh et al. 2020, Algorithm 1) on one client against a numpy replay written here: R local rounds, each a
+minibatch (the client's shuffle replayed from its generator), K gradient steps on f(θ; D) + λ/2‖θ − w‖², then a
+momentum-SGD step of w along λ(w − θ̃); the reported loss (mean over rounds of the mean f over the K inner steps),
+the personal state (a buffer falls back to w), the kept optimiser state, a straggler's share of R, the
+argument checks and the paper's defaults."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_close_finite
+from torch import nn
+
+from fl_lightning.algorithms import PFedMe
+from fl_lightning.errors import ConfigError
+from fl_lightning.local import ClientContext, ClientOptimizer, state_name, state_template
+from fl_lightning.rounds import make_generator
+
+D, N, BS, LR, MOM, SCALE = 3, 5, 2, 0.1, 0.5, 2.0
+LAM, PLR, K = 1.5, 0.05, 2
+
+
+class Tiny(nn.Module):
+    """y = s·⟨θ, x⟩ with a fixed buffer s (a non-trained entry of the parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, 1, bias=False)
+        self.register_buffer("scale", torch.tensor(SCALE, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
+        return self.fc(x).squeeze(-1) * self.scale
+
+
+def half_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * ((out - y) ** 2).mean()
+
+
+def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, D, generator=g, dtype=torch.float64)
+    y = torch.randn(n, generator=g, dtype=torch.float64)
+    glob = {"fc.weight": torch.randn(1, D, generator=g, dtype=torch.float64), "scale": torch.tensor(SCALE).double()}
+    return x, y, glob
+
+
+def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
+    opt = ClientOptimizer(lr=LR, momentum=MOM, batch_size=BS)
+    return ClientContext(Tiny().double(), 0, x, y, None, opt, half_mse, make_generator(0, "pfedme"), step_budget=budget)
+
+
+def np_pfedme(
+    x: np.ndarray, y: np.ndarray, w: np.ndarray, rounds: int, buf: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, float, np.ndarray]:
+    """Returns (w, θ̃, mean loss, momentum buffer) after ``rounds`` local rounds."""
+    theta, g, batches, loss_sum = w.copy(), make_generator(0, "pfedme"), [], 0.0
+    for _ in range(rounds):
+        if not batches:
+            perm = torch.randperm(len(y), generator=g).numpy()
+            batches = [perm[i : i + BS] for i in range(0, len(y), BS)]
+        idx = batches.pop(0)
+        xb, yb, anchor, inner = x[idx], y[idx], w.copy(), []
+        for _ in range(K):
+            r = SCALE * xb @ theta - yb
+            inner.append(0.5 * np.mean(r**2))
+            theta = theta - PLR * (SCALE * xb.T @ r / len(yb) + LAM * (theta - anchor))
+        grad = LAM * (anchor - theta)
+        buf = grad if buf is None else MOM * buf + grad
+        w = anchor - LR * buf
+        loss_sum += np.mean(inner)
+    return w, theta, loss_sum / max(rounds, 1), buf
+
+
+@pytest.mark.parametrize(("budget", "rounds"), [(1.0, 4), (0.25, 1)])
+def test_client_update_against_numpy(budget, rounds):
+    """R = 4 rounds cross an epoch (3 minibatches of 5 samples at B = 2); a straggler at ¼ runs ⌊¼·4⌋ = 1."""
+    x, y, glob = data()
+    algo = PFedMe(lam=LAM, personal_lr=PLR, inner_steps=K, local_steps=4)
+    up = algo.client_update(context(x, y, budget), glob, algo.init_client_state(glob))
+    w, theta, loss, _ = np_pfedme(x.numpy(), y.numpy(), glob["fc.weight"].numpy()[0], rounds, None)
+    assert_close_finite(up.upload["fc.weight"][0], w, rtol=1e-10, atol=1e-12)
+    assert_close_finite(up.state["theta.fc.weight"][0], theta, rtol=1e-10, atol=1e-12)
+    assert float(up.state["theta.scale"]) == SCALE  # not trained: the personal model keeps w's value
+    assert sorted(up.state) == ["theta.fc.weight", "theta.scale"]
+    assert up.loss == pytest.approx(loss, rel=1e-10) and up.loss > 0
+    assert up.num_samples == N
+
+
+def test_kept_momentum_continues_and_is_saved():
+    """With a kept optimiser state (3 earlier steps, a momentum buffer) the first step continues that buffer; the
+    saved state counts 3 + R steps and holds the last buffer."""
+    x, y, glob = data()
+    algo = PFedMe(lam=LAM, personal_lr=PLR, inner_steps=K, local_steps=2)
+    ctx = context(x, y)
+    kept = state_template(ctx.optimizer, {"fc.weight": glob["fc.weight"]})
+    buf0 = torch.tensor([[0.3, -0.2, 0.1]], dtype=torch.float64)
+    kept[state_name("steps", "fc.weight")] = torch.tensor(3)
+    kept[state_name("momentum_buffer", "fc.weight")] = buf0.clone()
+    ctx.optimizer_state = kept
+    up = algo.client_update(ctx, glob, algo.init_client_state(glob))
+    w, _, _, buf = np_pfedme(x.numpy(), y.numpy(), glob["fc.weight"].numpy()[0], 2, buf0.numpy()[0])
+    assert_close_finite(up.upload["fc.weight"][0], w, rtol=1e-10, atol=1e-12)
+    assert int(ctx.optimizer_state[state_name("steps", "fc.weight")]) == 5
+    assert_close_finite(ctx.optimizer_state[state_name("momentum_buffer", "fc.weight")][0], buf, rtol=1e-10, atol=1e-12)
+
+
+def test_rounds_for_full_straggler_and_empty_clients():
+    algo = PFedMe(local_steps=4)
+    x, y, _ = data()
+    assert algo.rounds_for(context(x, y, 1.0)) == 4
+    assert algo.rounds_for(context(x, y, 1.5)) == 4  # a budget ≥ 1 is a full client (as ``step_limit``)
+    assert algo.rounds_for(context(x, y, 0.5)) == 2  # ⌊0.5·4⌋
+    assert algo.rounds_for(context(x, y, 0.05)) == 1  # at least one
+    assert algo.rounds_for(context(x[:1], y[:1])) == 4
+    assert algo.rounds_for(context(x[:0], y[:0])) == 0
+
+
+def test_client_model_is_the_personal_model():
+    algo = PFedMe()
+    glob = {"fc.weight": torch.zeros(1, D), "scale": torch.tensor(1.0)}
+    theta = torch.ones(1, D)
+    model = algo.client_model(glob, {"theta.fc.weight": theta})
+    assert model["fc.weight"] is theta and model["scale"] is glob["scale"]
+
+
+def test_argument_checks_boundaries_and_defaults():
+    PFedMe(lam=0.5, personal_lr=1e-9, inner_steps=1, local_steps=1)
+    for kwargs in ({"lam": 0.0}, {"personal_lr": 0.0}, {"inner_steps": 0}, {"local_steps": 0}):
+        with pytest.raises(ConfigError):
+            PFedMe(**kwargs)
+    algo = PFedMe()
+    assert (algo.lam, algo.personal_lr, algo.inner_steps, algo.local_steps) == (15.0, 0.09, 5, 20)
