@@ -71,14 +71,15 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_gives_a_one_line_error(case, monkeypatch, capsys):
-    """In this process (``fl_lightning.cli.main``, what train.py calls); the real entry point is checked below."""
+def test_bad_input_gives_a_one_line_error(case, monkeypatch, capsys, tmp_path):
+    """In this process (``fl_lightning.cli.main``, what train.py calls); the real entry point is checked below. The
+    run dir is a fresh one (a finished ``runs/quickstart`` from ``make train`` would be refused first)."""
     from fl_lightning.cli import main
 
     args, expected = BAD_INPUTS[case]
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
-    code = main([*QUICK, "--trainer.max_steps", "1", *args])
+    code = main([*QUICK, "--trainer.max_steps", "1", "--run_dir", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
