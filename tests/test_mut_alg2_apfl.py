@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_finite
-from torch import Tensor, nn
+from helpers import LinearRegressor, assert_close_finite
+from torch import Tensor
 
 from fl_lightning.algorithms import APFL
 from fl_lightning.algorithms.apfl import mix
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.rounds import make_generator
 
 D = 2
@@ -68,26 +68,15 @@ def test_gradients_see_the_mask() -> None:
     assert_close_finite(loss, f_mix)
 
 
-class Lin(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, 1, bias=False)
-
-    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
-        return self.fc(x).squeeze(-1)
-
-
-def half_mse(out: Tensor, y: Tensor) -> Tensor:
-    return 0.5 * ((out - y) ** 2).mean()
-
-
 def test_client_update_reports_the_mixed_models_loss() -> None:
     g = torch.Generator().manual_seed(12)
     x, y = torch.randn(4, D, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
     w0, v0 = np.array([[0.3, -0.6]]), np.array([[1.0, 0.4]])
     alpha, lr = 0.4, 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
-    ctx = ClientContext(Lin().double(), 0, x, y, None, opt, half_mse, make_generator(0, "apfl"))
+    ctx = ClientContext(
+        LinearRegressor(D, bias=False).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "apfl")
+    )
     alg = APFL(alpha=alpha)
     up = alg.client_update(ctx, {"fc.weight": torch.tensor(w0)}, {"v.fc.weight": torch.tensor(v0)})
 

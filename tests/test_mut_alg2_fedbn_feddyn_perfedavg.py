@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from helpers import assert_close_finite
-from torch import Tensor, nn
+from helpers import LinearRegressor, assert_close_finite
+from torch import Tensor
 
 from fl_lightning.algorithms import FedBN, FedDyn, PerFedAvg
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.rounds import make_generator
 
 D = 3
-
-
-class Lin(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, 1)
-
-    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
-        return self.fc(x).squeeze(-1)
-
-
-def half_mse(out: Tensor, y: Tensor) -> Tensor:
-    return 0.5 * ((out - y) ** 2).mean()
 
 
 def data(n: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -44,7 +31,9 @@ def data(n: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
 
 def context(x: Tensor, y: Tensor, lr: float = 0.1, bs: int = 10) -> ClientContext:
     opt = ClientOptimizer(lr=lr, momentum=0.5, batch_size=bs)
-    return ClientContext(Lin().double(), 0, x, y, None, opt, half_mse, make_generator(0, "mut2"))
+    return ClientContext(
+        LinearRegressor(D, bias=True).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "mut2")
+    )
 
 
 def np_grad(x: np.ndarray, y: np.ndarray, w: np.ndarray, b: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
@@ -75,7 +64,7 @@ def test_fedbn_defaults_to_one_local_epoch_and_keeps_given_personal_prefixes() -
 # -- FedDyn ------------------------------------------------------------------------------------------------------
 def feddyn(alpha: float, glob: dict[str, Tensor], clients: int = 4) -> FedDyn:
     alg = FedDyn(alpha=alpha)
-    alg.check_compatible(Lin(), None)
+    alg.check_compatible(LinearRegressor(D, bias=True), None)
     alg.setup(glob, clients)
     return alg
 

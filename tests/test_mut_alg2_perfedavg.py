@@ -8,28 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_finite
-from torch import Tensor, nn
+from helpers import LinearRegressor, assert_close_finite
+from torch import Tensor
 
 from fl_lightning.algorithms import PerFedAvg
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.rounds import make_generator
 
 D = 2
-
-
-class Lin(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(D, 1, bias=False)
-
-    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
-        return self.fc(x).squeeze(-1)
-
-
-def half_mse(out: Tensor, y: Tensor) -> Tensor:
-    return 0.5 * ((out - y) ** 2).mean()
 
 
 def np_loss_grad(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, np.ndarray]:
@@ -88,7 +75,9 @@ def test_client_update_skips_a_last_batch_without_target_and_reports_the_meta_lo
     w0 = torch.tensor([[0.3, -0.2]], dtype=torch.float64)
     alpha, beta = 0.4, 0.1
     opt = ClientOptimizer(lr=beta, momentum=0.9, batch_size=10)
-    ctx = ClientContext(Lin().double(), 0, x, y, None, opt, half_mse, make_generator(2, "pfa"))
+    ctx = ClientContext(
+        LinearRegressor(D, bias=False).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(2, "pfa")
+    )
     alg = PerFedAvg(inner_lr=alpha, first_order=True, support=2, target=2)
     up = alg.client_update(ctx, {"fc.weight": w0}, {})
 

@@ -10,15 +10,11 @@ from helpers import assert_close_finite
 
 from fl_lightning.algorithms import L2GD, FedAvgSteps
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.models import LinearRepresentation
 from fl_lightning.rounds import make_generator
 
 D, K, N, BS, LR = 3, 2, 5, 2, 0.1
-
-
-def half_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 0.5 * ((out - y) ** 2).mean()
 
 
 def problem() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -33,7 +29,7 @@ def problem() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
 def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
     net = LinearRepresentation(D, K).double()
     opt = ClientOptimizer(lr=LR, momentum=0.0, batch_size=BS)
-    return ClientContext(net, 0, x, y, None, opt, half_mse, make_generator(0, "fas", 0), step_budget=budget)
+    return ClientContext(net, 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "fas", 0), step_budget=budget)
 
 
 def np_sgd(glob: dict[str, torch.Tensor], x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, ...]:

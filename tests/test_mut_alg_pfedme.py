@@ -14,7 +14,7 @@ from torch import nn
 
 from fl_lightning.algorithms import PFedMe
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer, state_name, state_template
+from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for, state_name, state_template
 from fl_lightning.rounds import make_generator
 
 D, N, BS, LR, MOM, SCALE = 3, 5, 2, 0.1, 0.5, 2.0
@@ -33,10 +33,6 @@ class Tiny(nn.Module):
         return self.fc(x).squeeze(-1) * self.scale
 
 
-def half_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 0.5 * ((out - y) ** 2).mean()
-
-
 def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(n, D, generator=g, dtype=torch.float64)
@@ -47,7 +43,9 @@ def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor
 
 def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
     opt = ClientOptimizer(lr=LR, momentum=MOM, batch_size=BS)
-    return ClientContext(Tiny().double(), 0, x, y, None, opt, half_mse, make_generator(0, "pfedme"), step_budget=budget)
+    return ClientContext(
+        Tiny().double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "pfedme"), step_budget=budget
+    )
 
 
 def np_pfedme(
