@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ranged_client_split as split
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 from fl_lightning.evaluation import FineTune
 from fl_lightning.models import DigitsMLP
@@ -27,15 +28,6 @@ from fl_lightning.module import FederatedModule
 
 def make_module(**kwargs: Any) -> FederatedModule:
     return FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), **kwargs)
-
-
-def split(rows: list[int], features: int, classification: bool) -> ClientSplit:
-    """Client c owns ``rows[c]`` rows of ``features`` float features; integer labels or float targets."""
-    n = sum(rows)
-    x = torch.arange(n * features, dtype=torch.float32).reshape(n, features) / 100.0
-    y = torch.arange(n) % 10 if classification else torch.linspace(0.0, 1.0, n)
-    ptr = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
-    return ClientSplit(x, y, ptr)
 
 
 def digits_fed(extras: dict[str, torch.Tensor] | None = None) -> FederatedData:

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_close_finite
+from helpers import ranged_client_split as split
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from fl_lightning import evaluation
 from fl_lightning.aggregation import RoundStats
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.client_data import FederatedData
 from fl_lightning.evaluation import ClientEvaluation, FineTune
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP
@@ -29,14 +30,6 @@ from fl_lightning.module import FederatedModule
 
 def make_module(**kwargs: Any) -> FederatedModule:
     return FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), **kwargs)
-
-
-def split(rows: list[int], features: int, classification: bool) -> ClientSplit:
-    n = sum(rows)
-    x = torch.arange(n * features, dtype=torch.float32).reshape(n, features) / 100.0
-    y = torch.arange(n) % 10 if classification else torch.linspace(0.0, 1.0, n)
-    ptr = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
-    return ClientSplit(x, y, ptr)
 
 
 def digits_fed(val: bool = False) -> FederatedData:
