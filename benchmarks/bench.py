@@ -5,7 +5,7 @@ thread unless ``--threads``), and reported as the median over ``--rounds`` round
 fp32 reference of the same workload. Autocast follows the device: bf16 on CUDA (fp32 too), none on the CPU unless
 ``--autocast`` asks for bf16. The device is synchronised before each clock read. Per variant: s/round, training
 samples per second (samples visited by local SGD, all epochs), peak memory (CUDA: the allocator's peak for that
-variant; CPU: the process's peak RSS so far), host reads per round (``fl_lightning.host_syncs``: each one would
+variant; CPU: the process's peak RSS so far), host reads per round (``fl_lightning.engine.host_syncs``: each one would
 stall a GPU) and, on CUDA, the GPU utilisation sampled while the rounds ran. The two executors take turns round by
 round, so that load from other processes on a shared machine slows both alike.
 
@@ -17,10 +17,10 @@ Workloads (``--workloads``; any module in ``EXTRA_MODULES`` may register more wi
 * ``fedrep_phases``: ``pfllib_cnn``'s round split into FedRep's head and body phases, per executor, and the
   speedup ceiling the body phase sets;
 * ``conv_clients``: a body epoch of 10 clients' per-client conv weights, client by client vs ``vmap`` (one grouped
-  convolution): the measurement behind ``fl_lightning.executors.CONV_CLIENTS`` on this device;
+  convolution): the measurement behind ``fl_lightning.engine.stacked.CONV_CLIENTS`` on this device;
 * ``digits_fedavg``: FedAvg on the digits quickstart split; ``digits_precision``: bf16 vs fp32 accuracy;
 * ``scale``: FedRep with personal heads on 100 vs 10,000 clients, 100 sampled per round;
-* ``run_axis`` (``benchmarks/run_axis.py``): several runs batched vs one after another; it writes
+* ``run_axis`` (``benchmarks/batched_runs.py``): several runs batched vs one after another; it writes
   its own table and ``results.json`` under ``results/bench/run_axis/``.
 
 It prints a table and writes ``results.json`` (metrics ``train_s_per_round``, ``samples_per_s``, ``speedup``,
@@ -48,15 +48,15 @@ from typing import Any
 import torch
 
 from datamodules.augment import CropFlip
-from fl_lightning import executors
 from fl_lightning.algorithms import FedAvg, FedRep
-from fl_lightning.client_data import ClientSplit, FederatedData
-from fl_lightning.host_syncs import count_host_reads
+from fl_lightning.engine import stacked as executors
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.host_syncs import count_host_reads
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import CifarCNN, DigitsMLP, FedAvgCNN
 from fl_lightning.models.split import SplitModel, mlp_layers
-from fl_lightning.module import FederatedModule
 from fl_lightning.results import bar_chart, format_table, record, write_results
-from fl_lightning.rounds import ClientSampler
 
 #: modules that register more workloads when imported
 EXTRA_MODULES: tuple[str, ...] = ()
@@ -453,7 +453,7 @@ def scale(bench: Bench) -> None:
 
 @workload("run_axis")
 def run_axis(bench: Bench) -> None:
-    """Several runs batched vs one after another (``benchmarks/run_axis.py``; its own table and results.json)."""
+    """Several runs batched vs one after another (``benchmarks/batched_runs.py``; its own table and results.json)."""
     from benchmarks import run_axis
 
     run_axis.main(["--out", str(bench.args.out / "run_axis"), *(["--quick"] if bench.args.quick else [])])

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.evaluation import ClientChunks, client_chunks
+from fl_lightning.engine.rounds import ClientSampler, RoundLoader
 from fl_lightning.errors import ConfigError
-from fl_lightning.evaluation import ClientChunks, client_chunks
-from fl_lightning.rounds import ClientSampler, RoundLoader
 
 VAL_SALT = 90_001  # the validation split's random stream: independent of the partition's
 

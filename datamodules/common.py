@@ -30,7 +30,7 @@ from torch import Tensor
 
 from datamodules.base import FederatedDataModule
 from datamodules.partition import Partitioner, Shards, partition_pools
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 
 
@@ -181,7 +181,7 @@ class PartitionedDataModule(FederatedDataModule):
         super().setup(stage)
         trainer = getattr(self, "trainer", None)
         if self.write_report and not self._reported and trainer is not None and trainer.loggers:
-            from datamodules.report import log_report, write_report
+            from datamodules.partition_report import log_report, write_report
 
             if trainer.is_global_zero:
                 paths = write_report(self, Path(trainer.default_root_dir) / "partition")

@@ -7,7 +7,7 @@ import torch
 
 from datamodules.base import FederatedDataModule
 from datamodules.partition import Partitioner, Shards
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from datamodules.digits import DigitsDataModule
 from datamodules.feature_shift import FeatureShift, IIDSplit
 from datamodules.side_info import ShiftOneHot, SideInfo, SideInfoDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 
 
 class DigitsShiftDataModule(SideInfoDataModule):

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from datamodules.partition import IndexSets, Partitioner, _as_tensors
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 PAPER_SHIFTS: tuple[tuple[float, float], ...] = ((90.0, 3.0), (180.0, 6.0), (270.0, 9.0), (0.0, 0.0))

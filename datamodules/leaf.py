@@ -20,7 +20,7 @@ from torch import Tensor
 from datamodules.common import PartitionedDataModule, Pools
 from datamodules.partition import Natural, Partitioner
 from datamodules.text import CharVocab, encode_words, load_glove, train_word_tokenizer
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 
 UserData = dict[str, tuple[list[Any], list[Any], Path]]

@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 Source = Literal["synthetic", "digits", "w8a", "mnist", "celeba"]

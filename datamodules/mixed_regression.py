@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import cluster_model_distance
 

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from datamodules.base import FederatedDataModule
 from datamodules.feature_shift import FeatureShift
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 from fl_lightning.models.split import SplitModel
 

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.rounds import make_generator
 
 Heads = Literal["fixed_norm", "gaussian", "qr"]
 

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from datamodules.augment import CropFlip, normalize
 from datamodules.common import PartitionedDataModule, Pools
 from datamodules.partition import Natural, Partitioner
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 
 # FedRep's normalisation constants (spec 000 §8.2).

@@ -11,7 +11,7 @@ Every method runs the math of its engine algorithm (``fl_lightning.algorithms.mo
 clients instead of one engine step per client, so that 20 seeds × 3 settings × 5 methods fit in
 minutes; the seeds of a setting run as one batched job (``run_seeds``, the same numbers up to float64 rounding
 and the same cluster choices as ``run_seed`` one seed after another, which ``--seed_loop`` runs; several times
-faster, as ``benchmarks/run_axis.py`` measures: it shares the clients' SVDs and cluster-sum terms between methods,
+faster, as ``benchmarks/batched_runs.py`` measures: it shares the clients' SVDs and cluster-sum terms between methods,
 proves most assignments unchanged instead of recomputing them, and computes Phase 1's pair moments once per seed
 at θ₀ and with symmetric rank updates). ``tests/test_mixed_regression.py`` checks that the engine runs
 (``train.py``) give the same θ as these simulations. The metric is d(θ̂, θ*) (spec 001 eq. (6)); success = final
@@ -55,10 +55,10 @@ from fl_lightning.algorithms.moment_descent import (
     top_subspace,
 )
 from fl_lightning.algorithms.oneshot_kmeans import kmeans, local_estimate
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models.regression import ClusteredLinear
 from fl_lightning.results import format_table, record, write_results
-from fl_lightning.rounds import make_generator
 
 METHODS = ("ours", "ifca", "oneshot", "fedavg", "oracle")  # "ours_disjoint" via --disjoint
 LABELS = {

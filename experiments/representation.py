@@ -470,7 +470,7 @@ def fedrep_init(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -
 def fedrep_engine(cfg: dict[str, Any], out: Path, records: list[dict[str, Any]]) -> list[str]:
     """train.py with configs/representation/fedrep*.yaml (random init) for several seeds, and the batched path
     replayed on the same data, initialisation and client cohorts."""
-    from fl_lightning.rounds import ClientSampler
+    from fl_lightning.engine.rounds import ClientSampler
 
     plt = _plt()
     seeds, rounds, data = cfg["engine_seeds000"], cfg["engine_rounds000"], cfg["engine_data000"]

@@ -123,8 +123,8 @@ def _make_cli_class(stage: str = "fit"):
     from lightning.pytorch.cli import LightningCLI
 
     from fl_lightning.callbacks import RoundCheckpoint
+    from fl_lightning.engine.module import FP16_REFUSED
     from fl_lightning.loggers import is_launching_process
-    from fl_lightning.module import FP16_REFUSED
     from fl_lightning.progress import round_progress
 
     class FederatedCLI(LightningCLI):
@@ -467,14 +467,14 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
 
 def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]:
     """Parse; fit (print the result table, return the run summary) or validate/test a checkpoint (print and
-    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.run_axis``)."""
+    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.engine.run_axis``)."""
     stage, args = split_subcommand(list(sys.argv[1:] if args is None else args))
     check_config_files(args)
     from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     from datamodules.base import FederatedDataModule
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
     quiet_console()
     cli_class = _make_cli_class(stage)
@@ -577,7 +577,7 @@ def main(args: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, end="", file=sys.stderr)
         return 2
-    from fl_lightning.module import TrainingDiverged
+    from fl_lightning.engine.module import TrainingDiverged
 
     try:
         run(args)

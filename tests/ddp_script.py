@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import fl_lightning.executors as executors  # noqa: E402
+import fl_lightning.engine.stacked as executors  # noqa: E402
 from datamodules import DigitsDataModule, Dirichlet, Shards  # noqa: E402
 from datamodules.augment import CropFlip  # noqa: E402
 from fl_lightning import algorithms  # noqa: E402
+from fl_lightning.engine.module import FederatedModule  # noqa: E402
 from fl_lightning.models import DigitsCNN, DigitsMLP  # noqa: E402
-from fl_lightning.module import FederatedModule  # noqa: E402
 
 BROADCAST: list[int] = []  # storages of every tensor DDP broadcast (initial sync and per-forward buffer sync)
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_lightning.client_data import ClientSplit
+from fl_lightning.engine.client_data import ClientSplit
 
 
 def _as_array(value: Any) -> np.ndarray:

@@ -16,10 +16,10 @@ from torch.nn import functional as F
 
 import fl_lightning.algorithms as algorithms
 from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LinearFedRep, LocalOnly
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import DigitsCNN, DigitsMLP, LinearRepresentation
-from fl_lightning.rounds import make_generator
 
 LR, MOMENTUM = 0.05, 0.5
 
@@ -242,8 +242,8 @@ def test_fedmd_phase1_in_the_engine_matches_a_numpy_implementation():
 
     from datamodules import MixedRegressionDataModule
     from fl_lightning.algorithms import FedMD
+    from fl_lightning.engine.module import FederatedModule
     from fl_lightning.models import ClusteredLinear
-    from fl_lightning.module import FederatedModule
 
     sizes = [4] * 24 + [20] * 8
     dm = MixedRegressionDataModule(sizes=sizes, probs=[0.5, 0.5], dim=6, noise=0.1, seed=0)
@@ -324,7 +324,7 @@ def observed_fit(module, dm, rounds):
 def test_a_frozen_layer_stays_frozen_in_every_gradient_algorithm(name):
     """``body.fc1`` frozen: the run works, the layer never changes, is never uploaded nor kept per client."""
     from datamodules import DigitsDataModule, Shards
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
     torch.manual_seed(0)
     net = NETWORKS.get(name, lambda: DigitsMLP(hidden=(16, 8)))()
@@ -358,7 +358,7 @@ class MeanOfTokens(nn.Module):
 
 def token_datamodule(num_clients=4, train=12, test=6, vocab=30, length=5):
     from datamodules.base import FederatedDataModule
-    from fl_lightning.client_data import ClientSplit, FederatedData
+    from fl_lightning.engine.client_data import ClientSplit, FederatedData
 
     g = torch.Generator().manual_seed(0)
 
@@ -380,8 +380,8 @@ def test_ditto_apfl_perfedavg_run_with_a_frozen_embedding(name):
     """The Sent140 setting in small: a frozen (pretrained) embedding under a trainable body and head."""
     from collections import OrderedDict
 
+    from fl_lightning.engine.module import FederatedModule
     from fl_lightning.models.split import SplitModel
-    from fl_lightning.module import FederatedModule
 
     torch.manual_seed(0)
     body = nn.Sequential(OrderedDict(embed=nn.Embedding(30, 6), pool=MeanOfTokens(), fc=nn.Linear(6, 8), act=nn.Tanh()))

@@ -12,10 +12,10 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import AlternatingGD
 from fl_lightning.algorithms.alternating_gd import wk_constants
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import LowRankFactors
-from fl_lightning.rounds import make_generator
 
 D, R, ROWS = 6, 2, [5, 3, 4]  # client 1 and 2 have fewer rows than U's 5
 MAX_ROWS, MU, C, SIGMA_ROUNDS, SEED = max(ROWS), 0.4, 6.0, 2, 3

@@ -20,12 +20,12 @@ from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import APFL, L2GD, SCAFFOLD, Ditto, FedMTL, FedProx, PerFedAvg
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
-from fl_lightning.module import FederatedModule, FineTune
-from fl_lightning.rounds import ClientSampler
 
 NAMES = ["body.0.weight", "body.0.bias", "head.weight", "head.bias"]
 LR, MOM = 0.1, 0.5

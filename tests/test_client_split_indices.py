@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.client_data import ClientSplit
+from fl_lightning.engine.client_data import ClientSplit
 
 
 def test_an_empty_float_index_set_is_an_empty_client() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.errors import ConfigError
 
 

@@ -376,8 +376,8 @@ def test_sent140_glove_initialises_the_network_embedding(tmp_path):
     from conftest import fit
 
     from fl_lightning.algorithms import FedAvg
+    from fl_lightning.engine.module import FederatedModule
     from fl_lightning.models import Sent140LSTM
-    from fl_lightning.module import FederatedModule
 
     write_sent140(tmp_path, users=4, per_user=(6, 10))
     glove = tmp_path / "glove.txt"
@@ -448,7 +448,7 @@ def sent140_table1_run(tmp_path: Path, *extra: str) -> tuple[dict, Sent140DataMo
     returns the last checkpoint's state dict and the data module built from the same arguments."""
     from data_fixtures import make_fixture
 
-    from datamodules.report import parse
+    from datamodules.partition_report import parse
     from fl_lightning.cli import train_config
 
     root = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from datamodules import (  # noqa: E402
     Shards,
 )
 from datamodules.augment import CropFlip  # noqa: E402
-from datamodules.report import (  # noqa: E402
+from datamodules.partition_report import (  # noqa: E402
     federated_report,
     format_report,
     heatmap_figure,
@@ -34,7 +34,7 @@ from datamodules.report import (  # noqa: E402
     partition_report,
     write_report,
 )
-from fl_lightning.client_data import ClientSplit, FederatedData  # noqa: E402
+from fl_lightning.engine.client_data import ClientSplit, FederatedData  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,14 +133,15 @@ def test_same_seed_same_hash(tmp_path):
 def report_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "datamodules.report", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+        [sys.executable, "-m", "datamodules.partition_report", *args],
+        capture_output=True, text=True, cwd=ROOT, env=env,
         timeout=180,
     )  # fmt: skip
 
 
 @pytest.mark.slow
 def test_report_cli_help_and_a_digits_run_in_another_process(tmp_path):
-    """``python -m datamodules.report`` parses like train.py (jsonargparse: --help, the quickstart config with
+    """``python -m datamodules.partition_report`` parses like train.py (jsonargparse: --help, the quickstart config with
     its trainer/model/wandb sections, dotted --data overrides) and prints the hash this process computes."""
     out = report_cli("--help")
     assert out.returncode == 0, out.stderr

@@ -16,9 +16,9 @@ from data_fixtures import write_femnist  # noqa: E402
 from datamodules import DigitsDataModule, DigitsShiftDataModule, FEMNISTDataModule, Natural, Shards  # noqa: E402
 from datamodules.base import split_validation  # noqa: E402
 from datamodules.mixed_regression import MixedRegressionDataModule  # noqa: E402
-from datamodules.report import partition_report  # noqa: E402
+from datamodules.partition_report import partition_report  # noqa: E402
 from datamodules.synthetic import SyntheticLinearDataModule  # noqa: E402
-from fl_lightning.client_data import ClientSplit  # noqa: E402
+from fl_lightning.engine.client_data import ClientSplit  # noqa: E402
 from fl_lightning.errors import ConfigError  # noqa: E402
 
 

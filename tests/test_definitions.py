@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import L2GD, FedAvg, FedMTL, FedPer, FedRep, LGFedAvg, LocalOnly
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import CifarCNN, DigitsMLP
 from fl_lightning.models.split import SplitModel

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import assert_close_finite
 
-from fl_lightning.aggregation import assign_clients
+from fl_lightning.engine.aggregation import assign_clients
 
 HERE = Path(__file__).resolve().parent
 

@@ -14,10 +14,10 @@ from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.callbacks import RoundCheckpoint
-from fl_lightning.ledger import PrivacyViolation
+from fl_lightning.engine.ledger import PrivacyViolation
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import ClientSampler
 
 
 def digits(num_clients=20, **kw):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from fl_lightning.algorithms import FedAvg
+from fl_lightning.client import ClientOptimizer, steps_per_epoch
+from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
-from fl_lightning.ledger import CommunicationLedger
-from fl_lightning.local import ClientOptimizer, steps_per_epoch
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
 
 
 def test_federated_module_defaults() -> None:

@@ -12,8 +12,8 @@ import torch
 from helpers import assert_close_finite
 from torch import Tensor, nn
 
-from fl_lightning.evaluation import FineTune, _finetune_heads
-from fl_lightning.local import Params, select
+from fl_lightning.client import Params, select
+from fl_lightning.engine.evaluation import FineTune, _finetune_heads
 
 
 class _Context:

@@ -20,7 +20,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from fl_lightning.executors import (
+from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine.stacked import (
     BatchedAdam,
     BatchedSGD,
     VectorizedContext,
@@ -28,7 +29,6 @@ from fl_lightning.executors import (
     per_sample_loss_for,
     stacked_forward,
 )
-from fl_lightning.local import ClientOptimizer
 
 SGD_HYPER = {"weight_decay": 0.0, "momentum": 0, "dampening": 0, "nesterov": False, "maximize": False}
 
@@ -122,7 +122,7 @@ def _calls_of(module: nn.Module) -> list[int]:
 def test_a_trailing_relu_pool_pair_runs_without_the_pool_module_under_no_grad() -> None:
     """A ``ReLU`` then a plain 2×2 ``MaxPool2d`` ending the ``Sequential`` are fused like any other such pair:
     under no-grad the pool is two strided maxima (the module's forward is not called), with the module's values."""
-    from fl_lightning.executors import sequential_forward
+    from fl_lightning.engine.stacked import sequential_forward
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
@@ -140,7 +140,7 @@ def test_a_trailing_relu_pool_pair_runs_without_the_pool_module_under_no_grad() 
 def test_a_relu_after_a_linear_layer_runs_in_place_without_the_module() -> None:
     """A ``ReLU`` on a tensor the pass made (a linear layer's output) is applied in place, not by calling the
     module; the values are the module's."""
-    from fl_lightning.executors import sequential_forward
+    from fl_lightning.engine.stacked import sequential_forward
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))

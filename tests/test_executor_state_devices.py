@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fl_lightning.executors import BatchedAdam
+from fl_lightning.engine.stacked import BatchedAdam
 
 HYPER = {"weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": True, "maximize": False}
 

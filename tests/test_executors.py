@@ -24,11 +24,11 @@ from fl_lightning.algorithms import (
     LocalOnly,
     PerFedAvg,
 )
-from fl_lightning.executors import VectorizedContext, per_sample_loss_for, stack, unstack
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import make_generator
 
 ALGORITHMS = {
     "fedavg": lambda: FedAvg(2),
@@ -177,7 +177,7 @@ def test_unsupported_algorithm_falls_back_to_sequential(caplog):
 
 
 def test_finetune_evaluation_is_the_same_on_both_paths():
-    from fl_lightning.module import FineTune
+    from fl_lightning.engine.module import FineTune
 
     def run(executor):
         L.seed_everything(0, verbose=False)
@@ -191,7 +191,7 @@ def test_finetune_evaluation_is_the_same_on_both_paths():
 
 
 def test_fast_evaluation_computes_body_features_once_not_per_client():
-    from fl_lightning.executors import FEATURE_CHUNK
+    from fl_lightning.engine.stacked import FEATURE_CHUNK
 
     calls = {"n": 0}
     module = FederatedModule(FedRep(1, 1), DigitsMLP(), eval_every=100, executor="vectorized")
@@ -233,7 +233,7 @@ def test_new_clients_fine_tune_a_fresh_head_and_both_paths_agree():
 def test_lstm_falls_back_to_clients_in_turn_logged_once_with_the_same_results(name, caplog, monkeypatch):
     """Sent140's LSTM has no batching rule for per-client weights: its phases run client by client (one warning);
     FedRep's head phase still computes the frozen shared LSTM body's features in one pass."""
-    from fl_lightning import executors
+    from fl_lightning.engine import stacked as executors
     from fl_lightning.models import Sent140LSTM
 
     monkeypatch.setattr(executors, "_fallbacks_logged", set())

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from torch.nn import functional as F
 
-from fl_lightning.executors import (
+from fl_lightning.client import ClientContext, ClientOptimizer, Penalty, loss_fn_for
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import (
     VectorizedContext,
     _max_pool,
     conv_clients,
@@ -31,10 +33,8 @@ from fl_lightning.executors import (
     stacked_forward,
     unstack,
 )
-from fl_lightning.local import ClientContext, ClientOptimizer, Penalty, loss_fn_for
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.models.split import Concat, Mask, SplitModel
-from fl_lightning.rounds import make_generator
 
 CL = torch.channels_last
 
@@ -319,7 +319,7 @@ RULES = {
 def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> None:
     """The stacked optimiser rule, with client k joining at step k (masked as the executor masks), gives each
     client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
-    from fl_lightning.executors import batched_rule
+    from fl_lightning.engine.stacked import batched_rule
 
     cls, hyper = RULES[name]
     settings = ClientOptimizer.from_config(functools.partial(cls, **hyper))
@@ -351,7 +351,7 @@ def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> Non
 
 def test_batched_rule_is_none_without_a_batched_form() -> None:
     """Optimisers the executor cannot stack: another class, a tensor learning rate."""
-    from fl_lightning.executors import BatchedAdam, BatchedSGD, batched_rule
+    from fl_lightning.engine.stacked import BatchedAdam, BatchedSGD, batched_rule
 
     def rule(cls: type, **hyper: object):
         return batched_rule(ClientOptimizer(factory=functools.partial(cls, **hyper)))
@@ -478,7 +478,7 @@ def test_per_sample_losses_average_to_the_sequential_losses() -> None:
 def test_network_kind_probes_and_feature_chunks() -> None:
     """``has_conv``/``has_rnn``/``has_batchnorm`` find nested layers; ``feature_chunk`` is 100 rows on the CPU and
     larger elsewhere."""
-    from fl_lightning.executors import FEATURE_CHUNK, feature_chunk, has_batchnorm, has_conv, has_rnn
+    from fl_lightning.engine.stacked import FEATURE_CHUNK, feature_chunk, has_batchnorm, has_conv, has_rnn
 
     nested = nn.Sequential(nn.Sequential(nn.Conv1d(1, 1, 1)), nn.LSTM(2, 2), nn.BatchNorm1d(2))
     assert has_conv(nested) and has_rnn(nested) and has_batchnorm(nested)

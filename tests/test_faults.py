@@ -11,9 +11,9 @@ from helpers import assert_close_finite
 from datamodules import DigitsDataModule, Dirichlet
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.algorithms.base import ClientUpdate
+from fl_lightning.engine.module import FederatedModule, TrainingDiverged
+from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule, TrainingDiverged
-from fl_lightning.rounds import ClientSampler
 
 
 def observed_round(module, dm, rounds=1, **trainer_kwargs):
@@ -70,8 +70,8 @@ def test_round_without_survivors_leaves_the_global_model_unchanged(caplog):
 
 def test_straggler_stops_after_its_budget_of_local_steps():
     """A straggler with budget ½ of 2 epochs uploads exactly what 1 epoch gives (same data order)."""
-    from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
-    from fl_lightning.rounds import make_generator
+    from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+    from fl_lightning.engine.rounds import make_generator
 
     torch.manual_seed(0)
     net = DigitsMLP()

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms.fedala import FedALA
-from fl_lightning.local import ClientContext, ClientOptimizer
-from fl_lightning.rounds import make_generator
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 
 D_IN = 3
 NAMES = ("head.weight", "head.bias")

@@ -15,10 +15,10 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedMD
 from fl_lightning.algorithms.moment_descent import anchor_step, default_num_anchors, group_anchors
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import ClusteredLinear
-from fl_lightning.rounds import make_generator
 
 
 def np_anchor_step(x, y, theta, basis, power_iters, step_scale, threshold, pairing):

@@ -17,10 +17,10 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedRoD
 from fl_lightning.algorithms.fedrod import log_prior
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models.split import SplitModel
-from fl_lightning.rounds import make_generator
 
 LR, MOM = 0.1, 0.5
 D_IN, D_Z, D_SIDE, CLASSES = 4, 3, 2, 3

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from fl_lightning.aggregation import gather_rows
+from fl_lightning.engine.aggregation import gather_rows
 
 
 class ThreadAllGather:

@@ -14,13 +14,13 @@ import pytest
 import torch
 from conftest import fit
 
-import fl_lightning.executors as executors
+import fl_lightning.engine.stacked as executors
 from datamodules import DigitsDataModule, Dirichlet
 from datamodules.augment import CropFlip
 from fl_lightning.algorithms import APFL, SCAFFOLD, Ditto, FedRep, PerFedAvg
-from fl_lightning.host_syncs import count_host_reads
+from fl_lightning.engine.host_syncs import count_host_reads
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsCNN, DigitsMLP
-from fl_lightning.module import FederatedModule
 
 #: a round reads the round index, the cohort's ids and the summed statistics, and checks the new model is finite
 BOUND = 4

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fl_lightning.ledger import CommunicationLedger, PrivacyViolation
+from fl_lightning.engine.ledger import CommunicationLedger, PrivacyViolation
 
 W = torch.zeros(3, 4, dtype=torch.float32)  # 12 · 4 = 48 bytes
 DC = torch.zeros(2, dtype=torch.float64)  # 2 · 8 = 16 bytes

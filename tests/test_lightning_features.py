@@ -21,10 +21,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.cli import main
+from fl_lightning.engine.evaluation import ClientChunks
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
-from fl_lightning.evaluation import ClientChunks
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = str(ROOT / "configs/quickstart.yaml")

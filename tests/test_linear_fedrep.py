@@ -8,9 +8,9 @@ from conftest import fit
 
 from datamodules import SyntheticLinearDataModule
 from fl_lightning.algorithms import LinearFedRep
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.metrics import principal_angle_distance
 from fl_lightning.models import LinearRepresentation
-from fl_lightning.module import FederatedModule
 
 
 def run(algorithm, rounds=200):

@@ -1,4 +1,4 @@
-"""Unit tests of the client optimiser plumbing in ``fl_lightning.local``: bias groups without weight decay,
+"""Unit tests of the client optimiser plumbing in ``fl_lightning.client``: bias groups without weight decay,
 moving kept optimiser state into and out of a ``torch.optim`` optimiser (``load_state`` / ``save_state``), and
 the attributes a fresh ``ClientContext`` reports before any phase has run.
 
@@ -16,8 +16,8 @@ from helpers import assert_close_finite
 from torch import nn
 from torch.nn import functional as F
 
-from fl_lightning.local import ClientContext, ClientOptimizer, load_state, save_state, state_name, state_template
-from fl_lightning.rounds import make_generator
+from fl_lightning.client import ClientContext, ClientOptimizer, load_state, save_state, state_name, state_template
+from fl_lightning.engine.rounds import make_generator
 
 
 def test_decay_bias_false_decays_weights_but_not_biases() -> None:

@@ -1,4 +1,4 @@
-"""``ClientContext`` and the helpers of ``fl_lightning.local`` against plain-torch references.
+"""``ClientContext`` and the helpers of ``fl_lightning.client`` against plain-torch references.
 
 Each reference is written out here: the epoch's shuffle (``randperm`` on a generator seeded like the client's) and
 the augmentation draws, then minibatch momentum SGD by hand (``buf = m·buf + g + wd·p``, ``p −= lr·buf``) with the
@@ -17,8 +17,7 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.errors import ConfigError
-from fl_lightning.local import (
+from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
     draws_ahead,
@@ -28,6 +27,7 @@ from fl_lightning.local import (
     step_limit,
     to_device,
 )
+from fl_lightning.errors import ConfigError
 
 SEED = 11
 

@@ -11,10 +11,10 @@ from datamodules.lowrank import LowRankDataModule, load_celeba, load_mnist, load
 from experiments import lowrank_mf as lm
 from fl_lightning.algorithms import AlternatingGD, PowerInitLocalGD
 from fl_lightning.algorithms.lowrank_power import exact_solution, local_gd, mf_loss, optimal_loss
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LowRankFactors
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import make_generator
 from tests.conftest import fit
 
 N, ROWS, D, R = 5, 40, 40, 5  # CI size; the reproduction runs the paper's 25 × 200 rows, d = 200

@@ -31,11 +31,11 @@ from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedALA, FedAvg, FedBABU, FedBN, FedRoD
 from fl_lightning.cli import main as cli_main
 from fl_lightning.cli import train_config
+from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.models.split import SplitModel
-from fl_lightning.module import FederatedModule, FineTune
-from fl_lightning.rounds import make_generator
 
 LR, MOM, FULL_BATCH = 0.05, 0.5, 10_000
 TOL = dict(rtol=2e-4, atol=2e-5)  # float32 network; the engine sums uploads in float64

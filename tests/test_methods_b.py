@@ -21,11 +21,11 @@ from torch.nn import functional as F
 from datamodules import DigitsDataModule, Dirichlet, Shards
 from fl_lightning.algorithms import MOON, FedDyn, FedProto, PFedMe
 from fl_lightning.cli import main, train_config
-from fl_lightning.evaluation import FineTune
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import make_generator
 
 LR, MOMENTUM, ROUNDS = 0.05, 0.5, 3
 FULL_BATCH = 10_000
@@ -295,7 +295,7 @@ def test_fedproto_matches_the_reference_and_predicts_by_the_nearest_global_proto
 def test_fedproto_uploads_only_prototypes_and_the_label_histogram(monkeypatch):
     """What crosses the boundary, as the ledger sees it: per-class feature sums [classes, features] and per-class
     counts equal to the client's label histogram; the ledger counts only the sums as state-dependent bytes."""
-    from fl_lightning.ledger import CommunicationLedger
+    from fl_lightning.engine.ledger import CommunicationLedger
 
     seen = []
     monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda led, r, c, t: seen.append((c, dict(t)))])

@@ -22,9 +22,9 @@ from experiments import mixed_regression as mr
 from fl_lightning.algorithms import IFCA, FedMD, OneShotClustering
 from fl_lightning.algorithms.ifca import fedx_round
 from fl_lightning.algorithms.moment_descent import anchor_step, group_anchors, pair_moment, pair_products
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ClusteredLinear
-from fl_lightning.module import FederatedModule
 from tests.conftest import fit
 
 SMALL_SIZES = [4] * 24 + [20] * 8

@@ -16,9 +16,9 @@ from helpers import assert_close_finite
 
 from datamodules import DigitsDataModule, Shards, SyntheticLinearDataModule
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.client import ClientContext, Params
+from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.models import DigitsMLP, LinearRepresentation
-from fl_lightning.module import FederatedModule, FineTune
 
 
 def _mean_client_accuracy(net: torch.nn.Module, split) -> float:

@@ -11,10 +11,10 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 
 from fl_lightning.algorithms import FedBABU
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models.split import SplitModel
-from fl_lightning.rounds import make_generator
 
 D, N = 2, 4
 

@@ -12,8 +12,8 @@ from helpers import LinearRegressor, assert_close_finite
 from torch import Tensor
 
 from fl_lightning.algorithms import FedBN, FedDyn, PerFedAvg
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
-from fl_lightning.rounds import make_generator
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.engine.rounds import make_generator
 
 D = 3
 

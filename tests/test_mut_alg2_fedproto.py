@@ -15,10 +15,10 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedProto
 from fl_lightning.algorithms.representation import features_and_outputs, require_body
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models.split import SplitModel
-from fl_lightning.rounds import make_generator
 
 D, H, C = 3, 2, 3  # input dim, feature dim, classes
 SIDE_SCALE = 2.0

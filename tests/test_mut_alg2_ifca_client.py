@@ -13,8 +13,8 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.local import ClientContext, ClientOptimizer, Params
-from fl_lightning.rounds import make_generator
+from fl_lightning.client import ClientContext, ClientOptimizer, Params
+from fl_lightning.engine.rounds import make_generator
 
 K, D, N = 3, 2, 5
 

@@ -12,9 +12,9 @@ from helpers import LinearRegressor, assert_close_finite
 from torch import Tensor
 
 from fl_lightning.algorithms import PerFedAvg
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
-from fl_lightning.rounds import make_generator
 
 D = 2
 

@@ -9,10 +9,10 @@ import torch
 from helpers import assert_close_finite
 
 from fl_lightning.algorithms import L2GD, FedAvgSteps
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.models import LinearRepresentation
-from fl_lightning.rounds import make_generator
 
 D, K, N, BS, LR = 3, 2, 5, 2, 0.1
 

@@ -11,9 +11,9 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import L2GD
 from fl_lightning.algorithms.fedala import FedALA
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
-from fl_lightning.rounds import make_generator
 
 D = 3
 

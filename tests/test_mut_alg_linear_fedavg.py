@@ -11,10 +11,10 @@ from helpers import assert_close_finite
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import LinearFedAvg
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import LinearRepresentation
-from fl_lightning.rounds import make_generator
 
 D, K, N = 4, 2, 6
 

@@ -12,10 +12,10 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import PowerInitLocalGD
 from fl_lightning.algorithms.lowrank_power import local_gd
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer
 from fl_lightning.models import LowRankFactors
-from fl_lightning.rounds import make_generator
 
 D, R, ROWS, MAX_ROWS = 6, 2, 5, 7
 

@@ -13,9 +13,9 @@ from helpers import assert_close_finite
 from torch import nn
 
 from fl_lightning.algorithms import PFedMe
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for, state_name, state_template
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for, state_name, state_template
-from fl_lightning.rounds import make_generator
 
 D, N, BS, LR, MOM, SCALE = 3, 5, 2, 0.1, 0.5, 2.0
 LAM, PLR, K = 1.5, 0.05, 2

@@ -19,7 +19,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
 import fl_lightning
-from fl_lightning.aggregation import CohortSums, RoundStats
+from fl_lightning.engine.aggregation import CohortSums, RoundStats
 
 HERE = Path(__file__).resolve().parent
 LAYOUT = [[0, 2], [1]]  # rank 0 reports cohort positions 0 and 2, rank 1 position 1

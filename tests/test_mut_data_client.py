@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 

@@ -19,14 +19,14 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning import evaluation
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
-from fl_lightning.evaluation import FineTune
-from fl_lightning.local import ClientContext
+from fl_lightning.client import ClientContext
+from fl_lightning.engine import evaluation
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models.split import SplitModel
-from fl_lightning.module import FederatedModule
 
 Params = dict[str, Tensor]
 SEED, ROUND, LR, BS = 11, 7, 0.5, 2

@@ -1,4 +1,4 @@
-"""``fl_lightning.evaluation``'s small pieces, from numbers written out here: the client chunks of the validation
+"""``fl_lightning.engine.evaluation``'s small pieces, from numbers written out here: the client chunks of the validation
 "dataloader", ``ClientEvaluation`` built from ``PerClientScores``' output and its spread, the logged metric names
 (classification vs. regression, ``dist_B`` only with both a ground truth and a representation), the regression
 score (squared error, no "correct" count) and when the shared-body fast path applies."""
@@ -13,7 +13,7 @@ from helpers import assert_close_finite
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.evaluation import (
+from fl_lightning.engine.evaluation import (
     ClientChunks,
     ClientEvaluation,
     FineTune,

@@ -20,11 +20,11 @@ from helpers import assert_close_finite
 from torch import Tensor
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
-from fl_lightning.evaluation import FineTune
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
 
 SEED, ROUND = 9, 5
 COHORT = [3 * i + 2 for i in range(60)]

@@ -9,7 +9,7 @@ import hashlib
 
 import torch
 
-from fl_lightning.rounds import ClientSampler, RoundLoader
+from fl_lightning.engine.rounds import ClientSampler, RoundLoader
 
 SEED, CLIENTS, PER_ROUND = 4, 20, 5
 

@@ -13,9 +13,9 @@ import torch
 from helpers import assert_close_finite
 from torch import Tensor
 
-from fl_lightning.aggregation import CohortSums, RoundStats, collect
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.ledger import CommunicationLedger
+from fl_lightning.engine.aggregation import CohortSums, RoundStats, collect
+from fl_lightning.engine.ledger import CommunicationLedger
 
 BIG = 16777217  # 2**24 + 1: exact in float64, not in float32
 

@@ -9,7 +9,7 @@ import torch
 from helpers import assert_close_finite
 from torch import Tensor, nn
 
-from fl_lightning.local import ClientContext, ClientOptimizer, Penalty, loss_fn_for, per_client, to_device
+from fl_lightning.client import ClientContext, ClientOptimizer, Penalty, loss_fn_for, per_client, to_device
 from fl_lightning.models.split import SplitModel
 
 Params = dict[str, Tensor]

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 from torch.func import grad_and_value
 from torch.nn import functional as F
 
-import fl_lightning.executors as executors
-from fl_lightning.executors import VectorizedContext, per_sample_loss_for, plan_phase, stack
-from fl_lightning.local import ClientOptimizer, Penalty
+import fl_lightning.engine.stacked as executors
+from fl_lightning.client import ClientOptimizer, Penalty
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, plan_phase, stack
 from fl_lightning.models.split import Concat, SplitModel
 
 LR = 0.1

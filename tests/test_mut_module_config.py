@@ -18,12 +18,12 @@ from helpers import ranged_client_split as split
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import FederatedData
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
-from fl_lightning.evaluation import FineTune
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.linear import LinearRepresentation
-from fl_lightning.module import FederatedModule
 
 
 def make_module(**kwargs: Any) -> FederatedModule:

@@ -18,14 +18,14 @@ from helpers import ranged_client_split as split
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from fl_lightning import evaluation
-from fl_lightning.aggregation import RoundStats
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import FederatedData
-from fl_lightning.evaluation import ClientEvaluation, FineTune
+from fl_lightning.engine import evaluation
+from fl_lightning.engine.aggregation import RoundStats
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.evaluation import ClientEvaluation, FineTune
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
 
 
 def make_module(**kwargs: Any) -> FederatedModule:

@@ -14,10 +14,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg, FedRep
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
 
 FEDAVG = "fl_lightning.algorithms.fedavg.FedAvg"
 DIGITS = "fl_lightning.models.digits.DigitsMLP"

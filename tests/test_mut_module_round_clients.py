@@ -22,11 +22,11 @@ from helpers import assert_close_finite
 from torch import Tensor
 
 from datamodules import SyntheticLinearDataModule
-from fl_lightning import aggregation
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine import aggregation
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP, LinearRepresentation
-from fl_lightning.module import FederatedModule
 
 SIZES = (3, 4, 5, 2)
 KEPT = "client_optimizer."

@@ -18,10 +18,10 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import Concat, SplitModel
-from fl_lightning.module import FederatedModule
 
 TRAIN_SIZES = (3, 4, 5, 2)
 TEST_SIZES = (2, 1, 3, 2)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fl_lightning.aggregation import RoundStats, add_delta, collect, server_step
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.ledger import CommunicationLedger
+from fl_lightning.engine.aggregation import RoundStats, add_delta, collect, server_step
+from fl_lightning.engine.ledger import CommunicationLedger
 
 
 def test_add_delta_keeps_a_float32_value_float32() -> None:

@@ -9,8 +9,8 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.executors import VectorizedContext, per_sample_loss_for, plan_phase, stack
-from fl_lightning.local import ClientOptimizer, state_name, state_template
+from fl_lightning.client import ClientOptimizer, state_name, state_template
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, plan_phase, stack
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def test_custom_gradient_gets_unit_weights_on_the_batch_device() -> None:
     for an accelerator), and sets every leaf's ``grad`` to what it returns."""
     from types import SimpleNamespace
 
-    from fl_lightning.local import ClientContext
+    from fl_lightning.client import ClientContext
 
     seen: list[Tensor] = []
 

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from datamodules.feature_shift import FeatureShift, IIDSplit, affine_shift
 from datamodules.partition import IndexSets
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 
 
 def _reference(splits: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> str:

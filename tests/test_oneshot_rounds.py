@@ -13,9 +13,9 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import OneShotClustering
 from fl_lightning.algorithms.oneshot_kmeans import kmeans, local_estimate
-from fl_lightning.local import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models import ClusteredLinear
-from fl_lightning.rounds import make_generator
 
 D = 3
 SIZES = [5, 2, 6, 4, 7, 5, 3]  # client 1 has fewer points than dimensions: the minimum-norm solution

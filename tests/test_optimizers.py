@@ -23,11 +23,11 @@ from datamodules import DigitsDataModule, Dirichlet, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.callbacks import RoundCheckpoint
 from fl_lightning.cli import train_config
-from fl_lightning.executors import VectorizedContext, per_sample_loss_for, stack, unstack
-from fl_lightning.local import ClientContext, ClientOptimizer, loss_fn_for, state_template
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for, state_template
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import make_generator
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi
 
 ROOT = Path(__file__).resolve().parents[1]

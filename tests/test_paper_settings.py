@@ -27,11 +27,11 @@ from datamodules.mixed_regression import parse_sizes
 from fl_lightning.algorithms import LinearFedAvg, LinearFedRep
 from fl_lightning.algorithms.linear_fedrep import orthonormalize
 from fl_lightning.cli import main, train_config
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import ClientSampler, make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import cluster_model_distance
 from fl_lightning.models import ClusteredLinear, LinearRepresentation, LowRankFactors
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import ClientSampler, make_generator
 
 QUIET = ["--trainer.enable_checkpointing=false"]
 
@@ -229,7 +229,7 @@ def test_population_fedrep_exact_head_is_least_squares_on_b():
     algo = LinearFedRep(body_lr=0.3, gradient="population")
     algo.bind_ground_truth(dm.federated.extras)
     b = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 2)))[0]
-    from fl_lightning.local import ClientContext, ClientOptimizer
+    from fl_lightning.client import ClientContext, ClientOptimizer
 
     x, y = dm.federated.train.client(0)
     ctx = ClientContext(LinearRepresentation(5, 2), 0, x, y, None, ClientOptimizer(), None, make_generator(0))

@@ -192,7 +192,7 @@ def test_feature_shift_partition_and_groups():
 
 def test_feature_shift_gives_a_clients_test_images_its_training_shift():
     """A client's test images are shifted like its training images (its test distribution is its own)."""
-    from fl_lightning.client_data import ClientSplit, FederatedData
+    from fl_lightning.engine.client_data import ClientSplit, FederatedData
 
     g = torch.Generator().manual_seed(0)
     x_tr, x_te = torch.rand(8, 1, 6, 6, generator=g), torch.rand(4, 1, 6, 6, generator=g)

@@ -26,10 +26,10 @@ from datamodules import (
 from datamodules.feature_shift import affine_shift
 from experiments.side_information import federated_imc, imc_problem, linear_bias_toy
 from fl_lightning.algorithms import FedAvg, FedPer, LGFedAvg
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ConvNet4, PerFedSIConcat, PerFedSIMask
-from fl_lightning.module import FederatedModule
 
 
 # ---- independent references: plain torch ops on the model's weights --------------------------------------

@@ -25,8 +25,8 @@ import fl_lightning.algorithms as algorithms
 from fl_lightning.algorithms import Ditto, FedRep
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.cli import train_config
-from fl_lightning.ledger import CommunicationLedger, PrivacyViolation
-from fl_lightning.module import FederatedModule
+from fl_lightning.engine.ledger import CommunicationLedger, PrivacyViolation
+from fl_lightning.engine.module import FederatedModule
 
 DIGITS = "configs/digits/base.yaml"
 SI = "configs/perfedsi/digits.yaml"

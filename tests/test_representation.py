@@ -20,9 +20,9 @@ from experiments.linear_representation import fedrep_linear as fr
 from experiments.linear_representation.features import class_feature_cosine, mean_offdiagonal
 from experiments.linear_representation.transfer import balanced_subset
 from fl_lightning.algorithms import FedAvgSteps, LinearFedAvg, LinearFedRep
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import LinearRepresentation, TransferCNN
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import ClientSampler
 
 F64 = torch.float64
 

@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from fl_lightning.rounds import derive_seed, make_generator
+from fl_lightning.engine.rounds import derive_seed, make_generator
 
 PARTS: list[tuple[int | str, ...]] = [
     (0,),

@@ -18,17 +18,17 @@ from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.cli import train_config
+from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import ClientSampler, make_generator
+from fl_lightning.engine.run_axis import BatchedRuns, check_batchable, parse_config
+from fl_lightning.engine.run_axis.__main__ import main as run_axis_main
+from fl_lightning.engine.run_axis.__main__ import seed_runs
+from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
+from fl_lightning.engine.run_axis.shared_data import RowPool, SharedRowsSplit
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
-from fl_lightning.executors import VectorizedContext, per_sample_loss_for, stackable, stacked_forward
-from fl_lightning.local import ClientOptimizer
 from fl_lightning.models import DigitsMLP
-from fl_lightning.module import FederatedModule
-from fl_lightning.rounds import ClientSampler, make_generator
-from fl_lightning.run_axis import BatchedRuns, check_batchable, parse_config
-from fl_lightning.run_axis.__main__ import main as run_axis_main
-from fl_lightning.run_axis.__main__ import seed_runs
-from fl_lightning.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
-from fl_lightning.run_axis.shared_data import RowPool, SharedRowsSplit
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = [

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fl_lightning.cli import main as train_main
-from fl_lightning.evaluation import ClientEvaluation
+from fl_lightning.engine.evaluation import ClientEvaluation
 from fl_lightning.experiment.wandb_files import offline_runs
 
 ROOT = Path(__file__).resolve().parents[1]

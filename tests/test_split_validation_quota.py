@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from datamodules.base import split_validation
-from fl_lightning.client_data import ClientSplit
+from fl_lightning.engine.client_data import ClientSplit
 
 
 class OrderedRng:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_lightning.state import ClientStateBank
+from fl_lightning.engine.state import ClientStateBank
 
 TEMPLATE_SPEC = {
     "w": ((2, 3), np.float32),

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from helpers import assert_close_finite
 
-from fl_lightning.state import ClientStateBank
+from fl_lightning.engine.state import ClientStateBank
 
 NUM_CLIENTS = 4
 

@@ -58,7 +58,7 @@ def classify(exit_code: int | None) -> str:
 
 
 def source_file(name: str, mutants_dir: Path) -> Path:
-    """``fl_lightning.aggregation.x_gather_rows__mutmut_3`` -> ``mutants/fl_lightning/aggregation.py``."""
+    """``fl_lightning.engine.aggregation.x_gather_rows__mutmut_3`` -> ``mutants/fl_lightning/engine/aggregation.py``."""
     module = name.rpartition(".")[0]
     return mutants_dir / (module.replace(".", "/") + ".py")
 

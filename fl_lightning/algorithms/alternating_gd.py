@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
-from fl_lightning.rounds import make_generator
 
 
 def wk_constants(sigma_max: float, mu: float = 0.5, c: float = 8.0) -> tuple[float, float]:

@@ -1,11 +1,11 @@
 """The algorithm interface: only the math of a method (personal parameters, local update, server update).
 
-The engine (``fl_lightning.module.FederatedModule``) owns sampling, aggregation, the server optimiser,
+The engine (``fl_lightning.engine.module.FederatedModule``) owns sampling, aggregation, the server optimiser,
 client-state storage, logging and distribution. An algorithm says:
 
 * ``personal``: name prefixes of parameters that never leave a client (kept in the client bank);
 * ``state_prefixes``: name prefixes of other per-client state in the bank (Ditto's ``v.``); with ``personal`` they
-  are what the ledger (``fl_lightning.ledger``) refuses to see in an upload, whatever the code does;
+  are what the ledger (``fl_lightning.engine.ledger``) refuses to see in an upload, whatever the code does;
 * ``reveals`` and ``state_dependent_uploads``: what an upload may tell the server about the client, in words and
   as the upload names whose values may depend on the client's personal state (``tests/test_privacy.py``);
 * ``init_client_state``: the per-client state template (by default the personal parameters);
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 
 @dataclass

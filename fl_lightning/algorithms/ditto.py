@@ -15,8 +15,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params, Penalty
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params, Penalty
 
 PERSONAL = "v."
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 LOCAL = "local."
 WEIGHTS = "ala_w."

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 
 class FedAvgSteps(Algorithm):

@@ -17,8 +17,8 @@ FedBABU keeps no client state; the body's upload depends only on the global mode
 from __future__ import annotations
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 HEAD = "head."
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fl_lightning.algorithms.fedavg import FedAvg
+from fl_lightning.client import Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import Params
 
 RUNNING_MEAN = "running_mean"
 

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 STATE = "grad."
 DELTA = "delta."

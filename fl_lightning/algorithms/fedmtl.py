@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.local import ClientContext, Params, Penalty
+from fl_lightning.client import ClientContext, Params, Penalty
 
 LOCAL = "w."
 DELTA = "delta_w."

@@ -36,8 +36,8 @@ from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
+from fl_lightning.client import BatchLoss, ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import BatchLoss, ClientContext, Params
 
 SUMS = "class_feature_sums"
 COUNTS = "class_counts"

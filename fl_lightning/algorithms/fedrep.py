@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.client import ClientContext, Params
 
 
 class FedRep(Algorithm):

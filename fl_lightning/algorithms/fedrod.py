@@ -39,8 +39,8 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params, step_limit
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params, step_limit
 
 PERSONAL = "p_head."
 HEAD = ("head.weight", "head.bias")

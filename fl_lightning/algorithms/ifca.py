@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 
 def cluster_residuals(x: Tensor, y: Tensor, theta: Tensor) -> Tensor:

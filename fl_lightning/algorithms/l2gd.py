@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
-from fl_lightning.rounds import make_generator
 
 LOCAL = "x."
 DELTA = "delta_x."

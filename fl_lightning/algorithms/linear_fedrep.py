@@ -31,8 +31,8 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.linear_fedavg import Gradient, population_targets
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
 
 
 def orthonormalize(b: Tensor, positive: bool = True) -> Tensor:

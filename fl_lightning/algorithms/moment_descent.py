@@ -31,9 +31,9 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA
+from fl_lightning.client import ClientContext, Params
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params
-from fl_lightning.rounds import make_generator
 
 Pairing = Literal["all", "disjoint"]
 

@@ -28,8 +28,8 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
+from fl_lightning.client import BatchLoss, ClientContext, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import BatchLoss, ClientContext, Params
 
 PREVIOUS = "prev."
 

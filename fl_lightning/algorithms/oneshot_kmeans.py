@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.local import ClientContext, Params
+from fl_lightning.client import ClientContext, Params
 
 
 def local_estimate(x: Tensor, y: Tensor) -> Tensor:

@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.func import grad, grad_and_value
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Gradient, Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Gradient, Params
 
 
 class PerFedAvg(Algorithm):

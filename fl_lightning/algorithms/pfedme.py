@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, Params, load_state, save_state
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientContext, Params, load_state, save_state
 
 PERSONAL = "theta."
 

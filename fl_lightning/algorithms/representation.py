@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fl_lightning.client import Params
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import Params
 
 
 def require_body(method: str, net: nn.Module, what: str) -> None:

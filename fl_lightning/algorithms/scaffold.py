@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.local import ClientContext, Params, Penalty, per_client
+from fl_lightning.client import ClientContext, Params, Penalty, per_client
 
 DELTA = "delta_c."
 STATE = "c_i."

@@ -33,7 +33,7 @@ def parse_train_args(args: list[str]) -> dict[str, Any]:
 
     from datamodules.base import FederatedDataModule
     from fl_lightning import cli
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
     cli.check_config_files(args)
 

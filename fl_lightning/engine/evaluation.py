@@ -24,13 +24,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.client_data import FederatedData
-from fl_lightning.executors import FEATURE_CHUNK, has_batchnorm, stack
-from fl_lightning.local import Params
+from fl_lightning.client import Params
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, stack
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
 if TYPE_CHECKING:
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
 #: clients per ``validation_step`` (one progress tick); the shared-body fast path computes features per chunk
 CLIENTS_PER_STEP = 256

@@ -1,11 +1,11 @@
 """Batched runs (the run axis) against the same runs one after another, measured in the same process.
 
-``python -m benchmarks.run_axis [--quick] [--rounds N] [--seeds 5] [--workloads digits_fedrep mixed_regression]``
+``python -m benchmarks.batched_runs [--quick] [--rounds N] [--seeds 5] [--workloads digits_fedrep mixed_regression]``
 
 * ``digits_fedrep``: FedRep on the quickstart split (``configs/quickstart.yaml``: 20 digits clients, 4 per round,
   10 head + 1 body epochs, batch 10, DigitsMLP), ``--seeds`` seeds. Reference: the seeds' ``train.py`` runs one
   after another in this process (``fl_lightning.cli.train_config``), with the config's executor (sequential) and
-  with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.run_axis``). Each
+  with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.engine.run_axis``). Each
   seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
 * ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after
   another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number; each job's
@@ -53,8 +53,8 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
 
 def digits_fedrep(args: argparse.Namespace, records: list, rows: list) -> None:
     from fl_lightning.cli import train_config
-    from fl_lightning.run_axis import BatchedRuns
-    from fl_lightning.run_axis.__main__ import seed_runs
+    from fl_lightning.engine.run_axis import BatchedRuns
+    from fl_lightning.engine.run_axis.__main__ import seed_runs
 
     rounds = 10 if args.quick else args.rounds
     seeds = list(range(args.seeds))
@@ -289,7 +289,7 @@ WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regressio
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_axis", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.batched_runs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--rounds", type=int, default=100, help="digits_fedrep rounds (the quickstart's 100)")
     parser.add_argument("--mr_rounds", type=int, default=400, help="mixed_regression Phase-2 rounds")

@@ -3,7 +3,7 @@
 Written to ``<run dir>/partition/{partition.json, partition.png}`` and logged when a run starts. Without
 training::
 
-    python -m datamodules.report --config configs/table1/cifar10_100x2.yaml [--config ...] \
+    python -m datamodules.partition_report --config configs/table1/cifar10_100x2.yaml [--config ...] \
         [--data.init_args.num_clients 20 ...] [--seed_everything 1] [--out DIR]
 
 The parser is jsonargparse, as in ``train.py``: the same YAML files (only ``data`` and ``seed_everything``
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from datamodules.base import FederatedDataModule
-from fl_lightning.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 
 #: train.py's top-level sections that a report ignores (accepted so that the same config files parse).
@@ -211,7 +211,7 @@ def build_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
-        prog="python -m datamodules.report",
+        prog="python -m datamodules.partition_report",
         description="Build a config's client partition and report it: hash, per-client counts, class histograms "
         "and a clients × classes heat-map. Takes the same --config files and --data.* overrides as train.py.",
         exit_on_error=False,

@@ -16,11 +16,11 @@ import threading
 from typing import TYPE_CHECKING, TextIO
 
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.local import Params
-from fl_lightning.run_axis.cohorts import CohortExecutor, CohortRequest
+from fl_lightning.client import Params
+from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest
 
 if TYPE_CHECKING:
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
 
 class Interrupted(RuntimeError):

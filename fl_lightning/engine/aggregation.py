@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.ledger import CommunicationLedger
-from fl_lightning.local import Params, per_client, to_device
+from fl_lightning.client import Params, per_client, to_device
+from fl_lightning.engine.ledger import CommunicationLedger
 
 log = logging.getLogger("fl_lightning")
 

@@ -8,13 +8,13 @@ One ``training_step`` is one communication round (manual optimisation), read top
 2. **run clients**: the algorithm's ``client_update`` for each of them (``run_clients``: the sequential loop,
    or all at once with the vectorized executor);
 3. **aggregate**: weighted sums of the uploads and the new client-state rows, summed over ranks in one
-   collective (``fl_lightning.aggregation``);
+   collective (``fl_lightning.engine.aggregation``);
 4. **scatter state**: the cohort's new rows go back into the client-state bank;
 5. **server step**: the server optimiser steps on the negative mean update (``SGD(lr=1)`` is FedAvg), so
    ``trainer.global_step`` counts rounds;
 6. **log** the round.
 
-Evaluation is Lightning's validation loop (``fl_lightning.evaluation``): every ``trainer.val_check_interval``
+Evaluation is Lightning's validation loop (``fl_lightning.engine.evaluation``): every ``trainer.val_check_interval``
 rounds and in each of the last ``eval_last`` rounds, every client evaluates its own model on its own
 validation split (its test split when the DataModule carved none). At the end of ``fit`` the run summary
 is built ("+FT" and held-out new clients are evaluated then); ``trainer.test`` reads the test split.
@@ -32,15 +32,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
-from fl_lightning import aggregation, evaluation
-from fl_lightning.aggregation import CohortSums, RoundStats
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client_data import FederatedData
-from fl_lightning.errors import ConfigError
-from fl_lightning.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
-from fl_lightning.executors import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
-from fl_lightning.ledger import CommunicationLedger
-from fl_lightning.local import (
+from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
     LRSchedulerCallable,
@@ -51,10 +44,17 @@ from fl_lightning.local import (
     split_state,
     state_template,
 )
+from fl_lightning.engine import aggregation, evaluation
+from fl_lightning.engine.aggregation import CohortSums, RoundStats
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
+from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.state import ClientStateBank
+from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
-from fl_lightning.optimizers import OPTIMIZER_ARGS, RoundOptimizers
-from fl_lightning.rounds import make_generator
-from fl_lightning.state import ClientStateBank
 
 __all__ = ["FederatedModule", "FineTune", "TrainingDiverged"]
 
@@ -92,7 +92,7 @@ class FederatedModule(L.LightningModule):
             ``straggler_budget`` of its local SGD steps and reports what it has.
         new_client_finetune: how held-out clients (``datamodule.new_clients``) adapt before they are evaluated
             at the end of training (default: 10 head epochs).
-        executor: ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.executors``: all
+        executor: ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.engine.stacked``: all
             sampled clients at once, frozen-body features computed once, same results).
         client_optimizer: any ``torch.optim`` class with its init args (``{class_path: torch.optim.Adam,
             init_args: {lr: 0.001}}``); it then replaces ``lr``, ``momentum`` and ``weight_decay``.
@@ -175,7 +175,7 @@ class FederatedModule(L.LightningModule):
         self.final_clients: ClientEvaluation | None = None  #: the per-client numbers behind the summary's final
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
-        self.run_axis: Any = None  #: ``fl_lightning.run_axis`` lockstep when this run trains batched with others
+        self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
 
@@ -257,7 +257,7 @@ class FederatedModule(L.LightningModule):
 
     def configure_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
         """The server optimiser and the client learning rate, each with its per-round schedule
-        (``fl_lightning.optimizers``)."""
+        (``fl_lightning.engine.optimizers``)."""
         return self.round_optimizers.configure([p for p in self.net.parameters() if p.requires_grad])
 
     # ---- clients -----------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ class FederatedModule(L.LightningModule):
         optimiser state (``keep_client_optimizer_state``) travels in the contexts, not through the algorithm."""
         if not clients:
             return []
-        if self.run_axis is not None:  # batched with other runs of this process (fl_lightning.run_axis)
+        if self.run_axis is not None:  # batched with other runs of this process (fl_lightning.engine.run_axis)
             return self.run_axis.run_clients(self, clients, round_idx, glob, states, budgets)
         states, kept = zip(*(split_state(st) for st in states))
         keep = self.keep_client_optimizer_state

@@ -24,12 +24,12 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.executors import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
-from fl_lightning.local import Params, factory_name, split_state
-from fl_lightning.rounds import make_generator
+from fl_lightning.client import Params, factory_name, split_state
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
 
 if TYPE_CHECKING:
-    from fl_lightning.module import FederatedModule
+    from fl_lightning.engine.module import FederatedModule
 
 log = logging.getLogger("fl_lightning")
 

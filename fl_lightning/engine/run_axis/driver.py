@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fl_lightning.engine.run_axis.cohorts import combinable
+from fl_lightning.engine.run_axis.lockstep import Interrupted, Lockstep
+from fl_lightning.engine.run_axis.shared_data import RowPool
 from fl_lightning.errors import ConfigError
-from fl_lightning.run_axis.cohorts import combinable
-from fl_lightning.run_axis.lockstep import Interrupted, Lockstep
-from fl_lightning.run_axis.shared_data import RowPool
 
 
 @dataclass
@@ -169,7 +169,7 @@ class BatchedRuns:
 
     def _thread(self, i: int) -> None:
         from fl_lightning import cli
-        from fl_lightning.module import TrainingDiverged
+        from fl_lightning.engine.module import TrainingDiverged
 
         outcome = self.outcomes[i]
         with self.lockstep.lock:

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler, ReduceLROnPlateau
 
+from fl_lightning.client import ClientOptimizer, LRSchedulerCallable, OptimizerCallable, factory_name
 from fl_lightning.errors import ConfigError
-from fl_lightning.local import ClientOptimizer, LRSchedulerCallable, OptimizerCallable, factory_name
 
 log = logging.getLogger("fl_lightning")
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
-from fl_lightning.local import (
+from fl_lightning.client import (
     STEPS,
     ClientContext,
     ClientOptimizer,
