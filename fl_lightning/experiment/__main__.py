@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("file", type=Path)
     run.add_argument("--dry-run", action="store_true", help="list the runs, their state and commands; run nothing")
     run.add_argument("--jobs", type=int, default=1, help="runs at once, as worker processes (default 1: in process)")
+    run.add_argument("--batch-runs", type=int, default=None, metavar="K",
+                     help="at most K runs that share an algorithm class and network train as one batched job "
+                     "(default: the file's batch_runs, else all of them; 1: one run at a time)")  # fmt: skip
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="extra dotted override for every run (after the file's own)")  # fmt: skip
     run.add_argument("--runs-dir", type=Path, default=None, help="root of the run dirs (default: the file's, runs/)")
@@ -70,6 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         overwrite=args.overwrite,
         dry_run=args.dry_run,
+        batch_runs=args.batch_runs,
         metrics=args.metric,
         by=args.by,
         fmt=args.format,

@@ -1,9 +1,12 @@
 """Run the grid of an experiment: skip finished runs, resume unfinished ones, one log per run.
 
 Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
-(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Its
-output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis labels and the
-command. A run dir is
+(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs that
+can share a process (the same algorithm class and network, one process per run: the seeds of a method, its
+hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``), at most
+``batch_runs`` at a time (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
+the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis
+labels and the command. A run dir is
 
 - *finished* when its ``summary.json`` reports ``trainer.max_steps`` rounds: skipped;
 - *resumable* when it holds a checkpoint: continued with ``--ckpt_path last``;
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.spec import Experiment, RunSpec
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -187,7 +191,8 @@ class Workers:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def run(self, args: list[str], log_path: Path) -> tuple[str, str]:
+    def run(self, args: list[str], log_path: Path, command: list[str] | None = None) -> tuple[str, str]:
+        """``train.py args`` (or ``command + args``) as a child process writing to ``log_path``."""
         with self.lock:
             if self.stopping:
                 return "interrupted", "interrupted"
@@ -195,7 +200,7 @@ class Workers:
         try:
             with open(log_path, "a") as log:
                 proc = subprocess.Popen(
-                    [*train_command(), *args], stdout=log, stderr=subprocess.STDOUT, env=self.env(slot)
+                    [*(command or train_command()), *args], stdout=log, stderr=subprocess.STDOUT, env=self.env(slot)
                 )
                 with self.lock:
                     self.procs[proc.pid] = proc
@@ -261,6 +266,61 @@ def start_args(run: RunSpec, state: str, overwrite: bool) -> list[str] | None:
     return run.args() + (["--ckpt_path", "last"] if state == "resume" else [])
 
 
+def batch_groups(
+    todo: list[int], configs: list[dict[str, Any] | None], limit: int | None
+) -> list[list[int]]:
+    """The positions ``todo`` as jobs, in grid order: runs with the same algorithm class and network and a
+    one-process trainer share a job (at most ``limit`` of them; ``limit`` 1 or a config that was not resolved: one
+    run per job). A job's first run is the earliest of its runs in the grid."""
+    from fl_lightning.engine.run_axis.driver import batch_signature, check_batchable
+
+    groups: dict[str, list[int]] = {}
+    jobs: list[list[int]] = []
+    for i in todo:
+        config = configs[i]
+        if limit == 1 or config is None:
+            jobs.append([i])
+            continue
+        try:
+            check_batchable([config])  # a multi-process trainer trains alone
+        except ConfigError:
+            jobs.append([i])
+            continue
+        key = json.dumps(batch_signature(config), sort_keys=True)
+        group = groups.get(key)
+        if group is None or (limit is not None and len(group) >= limit):
+            group = groups[key] = []
+            jobs.append(group)
+        group.append(i)
+    return jobs
+
+
+def run_batch_in_process(arg_lists: list[list[str]], names: list[str], logs: list[Path]) -> list[tuple[str, str]]:
+    """``train.py`` runs as one batched job in this process (``fl_lightning.engine.run_axis``), each printing to its
+    own log; (status, one-line error) per run."""
+    from fl_lightning.engine.run_axis.driver import BatchedRuns
+
+    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
+    try:
+        outcomes = BatchedRuns(arg_lists, names, check=False, logs=logs).run()
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with contextlib.suppress(Exception):
+            _finish_wandb()
+    return [(o.status if o.status in ("done", "failed") else "interrupted", o.error) for o in outcomes]
+
+
+BATCH_COMMAND = [sys.executable, "-m", "fl_lightning.engine.run_axis", "--runs"]
+
+
+def batch_status(run: RunSpec, batch_log: Path) -> tuple[str, str]:
+    """A run of a batched worker job: done when its summary exists, else failed with its log's last error."""
+    if (run.run_dir / "summary.json").is_file():
+        return "done", ""
+    return "failed", last_error_line(run.run_dir / "train.log") or last_error_line(batch_log) or "no summary.json"
+
+
 def execute(
     experiment: Experiment,
     runs: list[RunSpec],
@@ -268,12 +328,15 @@ def execute(
     jobs: int = 1,
     overwrite: bool = False,
     stream: TextIO | None = None,
+    configs: dict[str, dict[str, Any]] | None = None,
+    batch_runs: int | None = None,
 ) -> list[Outcome]:
-    """Run (or skip) every run of the grid; returns one :class:`Outcome` per run, in grid order."""
+    """Run (or skip) every run of the grid; returns one :class:`Outcome` per run, in grid order. ``configs`` (run
+    dir → resolved config) lets runs that can share a process train as batched jobs of at most ``batch_runs``."""
     stream = stream or sys.stderr
     progress = Progress(len(runs), stream)
     outcomes: dict[int, Outcome] = {}
-    todo: list[tuple[int, list[str], str]] = []
+    todo: dict[int, tuple[list[str], str]] = {}
     for i, run in enumerate(runs):
         state = run_state(run, max_steps.get(str(run.run_dir)))
         if state == "mismatch" and not overwrite:
@@ -289,10 +352,13 @@ def execute(
             outcomes[i] = Outcome(run, "skipped")
             progress.advance(outcomes[i])
             continue
-        todo.append((i, args, state))
+        todo[i] = (args, state)
     skipped = sum(o.status == "skipped" for o in outcomes.values())
     if skipped:
         progress.line(f"{skipped} finished run(s) skipped")
+    resolved = [None if configs is None else configs.get(str(run.run_dir)) for run in runs]
+    units = batch_groups(list(todo), resolved, batch_runs)
+    batches = experiment.out_dir / "batches"  # a worker's batched job: its --runs file and its own log
 
     def report(i: int, status: str, error: str, seconds: float) -> None:
         run = runs[i]
@@ -303,43 +369,68 @@ def execute(
             progress.line(f"[fail] {run.wandb_name}: {error} (dir {run.run_dir}, log {run.run_dir / 'train.log'})")
         progress.advance(outcomes[i])
 
-    def announce(i: int, state: str) -> None:
-        verb = "resume" if state == "resume" else "start"
-        progress.line(f"[{verb}] {runs[i].wandb_name} -> {runs[i].run_dir}")
+    def announce(unit: list[int]) -> None:
+        for i in unit:
+            verb = "resume" if todo[i][1] == "resume" else "start"
+            progress.line(f"[{verb}] {runs[i].wandb_name} -> {runs[i].run_dir}")
+        if len(unit) > 1:
+            progress.line(f"[batch] {', '.join(runs[i].wandb_name for i in unit)}: one job ({len(unit)} runs)")
+        for i in unit:
+            _log_header(runs[i].run_dir / "train.log", runs[i], todo[i][0])
+
+    def submit_to(pool: ThreadPoolExecutor, workers: Workers, unit: list[int]) -> Future:
+        if len(unit) == 1:
+            return pool.submit(workers.run, todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")
+        batches.mkdir(parents=True, exist_ok=True)
+        spec = batches / f"{runs[unit[0]].wandb_name}.json"
+        spec.write_text(json.dumps(
+            [{"args": todo[i][0], "name": runs[i].wandb_name, "log": str(runs[i].run_dir / "train.log")} for i in unit],
+            indent=1,
+        ))  # fmt: skip
+        return pool.submit(workers.run, [str(spec)], spec.with_suffix(".log"), BATCH_COMMAND)
 
     interrupted = False
     try:
         if jobs <= 1:
-            for i, args, state in todo:
-                announce(i, state)
-                log = runs[i].run_dir / "train.log"
-                _log_header(log, runs[i], args)
+            for unit in units:
+                announce(unit)
                 start = time.perf_counter()
-                status, error = run_in_process(args, log)
-                if status == "interrupted":
-                    interrupted = True
+                if len(unit) == 1:
+                    results = [run_in_process(todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")]
+                else:
+                    results = run_batch_in_process(
+                        [todo[i][0] for i in unit], [runs[i].wandb_name for i in unit],
+                        [runs[i].run_dir / "train.log" for i in unit],
+                    )  # fmt: skip
+                seconds = time.perf_counter() - start
+                for i, (status, error) in zip(unit, results):
+                    if status == "interrupted":
+                        interrupted = True
+                    else:
+                        report(i, status, error, seconds)
+                if interrupted:
                     break
-                report(i, status, error, time.perf_counter() - start)
         else:
             workers = Workers(jobs)
             with ThreadPoolExecutor(max_workers=jobs) as pool:
-                pending: dict[Future, tuple[int, float]] = {}
-                queue = list(todo)
+                pending: dict[Future, tuple[list[int], float]] = {}
+                queue = list(units)
                 try:
                     while queue or pending:
                         while queue and len(pending) < jobs:
-                            i, args, state = queue.pop(0)
-                            announce(i, state)
-                            log = runs[i].run_dir / "train.log"
-                            _log_header(log, runs[i], args)
-                            pending[pool.submit(workers.run, args, log)] = (i, time.perf_counter())
+                            unit = queue.pop(0)
+                            announce(unit)
+                            pending[submit_to(pool, workers, unit)] = (unit, time.perf_counter())
                         done, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
                         for fut in done:
-                            i, start = pending.pop(fut)
+                            unit, start = pending.pop(fut)
                             status, error = fut.result()
                             if status == "interrupted":
                                 interrupted = True
-                            else:
+                                continue
+                            for i in unit:
+                                if len(unit) > 1:
+                                    status, error = batch_status(runs[i], batches / f"{runs[unit[0]].wandb_name}.log")
                                 report(i, status, error, time.perf_counter() - start)
                         if interrupted:
                             workers.stop()
@@ -386,6 +477,7 @@ def run_experiment(
     jobs: int = 1,
     overwrite: bool = False,
     dry_run: bool = False,
+    batch_runs: int | None = None,
     report_dir: Path | None = None,
     metrics: list[str] | None = None,
     by: list[str] | None = None,
@@ -394,7 +486,8 @@ def run_experiment(
     out: TextIO | None = None,
 ) -> ExperimentResult:
     """Check every run, run the grid, then print and write the report (to ``report_dir``, default the
-    experiment's folder ``<runs_dir>/<name>/``)."""
+    experiment's folder ``<runs_dir>/<name>/``). ``batch_runs`` (default: the file's ``batch_runs``, else no limit)
+    caps how many runs train as one batched job; 1 runs them one at a time."""
     from fl_lightning.experiment.collect import load_run_dir
     from fl_lightning.experiment.report import write_report
     from fl_lightning.experiment.spec import ExperimentError
@@ -403,6 +496,9 @@ def run_experiment(
     out = out or sys.stdout
     if jobs < 1:
         raise ExperimentError(f"--jobs {jobs}: expected ≥ 1")
+    if batch_runs is not None and batch_runs < 1:
+        raise ExperimentError(f"--batch-runs {batch_runs}: expected ≥ 1 (1 turns batching off)")
+    batch_runs = batch_runs if batch_runs is not None else experiment.batch_runs
     runs = experiment.runs(extra)
     resolved = validate_runs(experiment, runs)
     max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
@@ -417,7 +513,9 @@ def run_experiment(
         f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in runs) + "\n"
     )
     out.flush()
-    outcomes = execute(experiment, runs, max_steps, jobs=jobs, overwrite=overwrite)
+    outcomes = execute(
+        experiment, runs, max_steps, jobs=jobs, overwrite=overwrite, configs=resolved, batch_runs=batch_runs
+    )
     if any(o.status == "interrupted" for o in outcomes):
         return ExperimentResult(130, outcomes, [])
     finished = [load_run_dir(r.run_dir) for r in runs if (r.run_dir / "summary.json").is_file()]

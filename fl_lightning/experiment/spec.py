@@ -38,7 +38,9 @@ from typing import Any
 
 from fl_lightning.errors import ConfigError
 
-TOP_KEYS = ("name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report")
+TOP_KEYS = (
+    "name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report", "batch_runs",
+)  # fmt: skip
 WANDB_KEYS = ("project", "mode", "tags")
 REPORT_KEYS = ("metrics", "by", "curve")
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
@@ -147,6 +149,8 @@ class Experiment:
     runs_dir: Path
     report: dict[str, Any]
     description: str = ""
+    #: at most this many runs train as one batched job (``batch_runs:``; 1: one run at a time; None: no limit)
+    batch_runs: int | None = None
 
     def runs(self, extra: Sequence[str] = ()) -> list[RunSpec]:
         """The product of the axes, in file order (the last axis varies fastest)."""
@@ -328,6 +332,9 @@ def parse_experiment(
         if missing:
             raise fail("report.by", f"{missing[0]!r} is not an axis (axes: {', '.join(axes)})")
     description = data.get("description") or ""
+    batch_runs = data.get("batch_runs")
+    if batch_runs is not None and (isinstance(batch_runs, bool) or not isinstance(batch_runs, int) or batch_runs < 1):
+        raise fail("batch_runs", f"expected a whole number ≥ 1 (1 turns batching off), got {batch_runs!r}")
     root = Path(runs_dir) if runs_dir is not None else Path(str(data.get("runs_dir") or "runs"))
     return Experiment(
         name=name,
@@ -340,6 +347,7 @@ def parse_experiment(
         runs_dir=root,
         report=report,
         description=str(description),
+        batch_runs=batch_runs,
     )
 
 
