@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
+import json
 import os
 import time
 from collections.abc import Callable
@@ -278,6 +280,68 @@ def time_parts():
             setattr(owner, name, fn)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (a batched job is a child process)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods: list[str] | None, seeds: int) -> None:
+    """An experiment grid (configs/experiments/table1_digits.yaml, or some of its methods) by the runner's default
+    command (runs batched, the default executor) against the same grid forced onto ``model.executor: sequential``
+    with ``--batch-runs 1``; wall and CPU seconds (this process and its children) and the largest difference of any
+    run's final / last10 / best."""
+    from fl_lightning.experiment.runner import run_experiment
+    from fl_lightning.experiment.spec import load_experiment, override
+
+    rounds = 3 if args.quick else args.grid_rounds
+    experiment = load_experiment("configs/experiments/table1_digits.yaml")
+    if methods:
+        experiment = experiment.select("method", methods)
+    experiment = experiment.with_seeds(range(seeds))
+    common = [override("trainer.max_steps", rounds), override("trainer.enable_progress_bar", False),
+              override("wandb.mode", "disabled")]  # fmt: skip
+    setting = f"{name},methods={len(experiment.axes['method'])},seeds={seeds},rounds={rounds}"
+    results = {}
+    for label, extra, batch_runs in (
+        ("sequential, one at a time", [*common, override("model.executor", "sequential")], 1),
+        ("default command", common, None),
+    ):
+        root = args.out / name / label.split(",")[0].replace(" ", "_")
+        _clear(root)
+        exp = dataclasses.replace(experiment, runs_dir=root)
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        with quiet():
+            result = run_experiment(exp, common if batch_runs is None else extra, batch_runs=batch_runs,
+                                    out=io.StringIO())  # fmt: skip
+        wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+        if result.code != 0:
+            raise RuntimeError(f"{name} {label}: exit code {result.code}")
+        summaries = {str(r.run_dir.relative_to(root)): json.loads((r.run_dir / "summary.json").read_text())
+                     for r in exp.runs(extra)}  # fmt: skip
+        results[label] = (summaries, wall, cpu)
+        print(f"  {name} {label:26s} wall {wall:7.1f} s  cpu {cpu:7.1f} s", flush=True)
+    (ref, r_wall, r_cpu), (fast, f_wall, f_cpu) = results.values()
+    diff = max(abs(ref[k][m] - fast[k][m]) for k in ref for m in ("final", "last10", "best"))
+    n = len(ref)
+    rows.append([name, f"{n} runs sequential, one at a time", r_wall, r_cpu, r_wall / f_wall, r_cpu / f_cpu, diff])
+    rows.append([name, f"{n} runs, default command", f_wall, f_cpu, 1.0, 1.0, 0.0])
+    for metric, value in (("ref_wall_s", r_wall), ("ref_cpu_s", r_cpu), ("wall_s", f_wall), ("cpu_s", f_cpu),
+                          ("speedup_wall", r_wall / f_wall), ("speedup_cpu", r_cpu / f_cpu),
+                          ("max_abs_diff", diff)):  # fmt: skip
+        records.append(record(name, "default command", metric, value, setting=setting))
+
+
+def table1_digits(args: argparse.Namespace, records: list, rows: list) -> None:
+    """``make reproduce-table1-digits``'s grid: 15 methods × 3 seeds."""
+    grid(args, records, rows, "table1_digits", None, 3)
+
+
+def digits_4x5(args: argparse.Namespace, records: list, rows: list) -> None:
+    """A 4-method × 5-seed digits grid (FedAvg, FedProx, Ditto, FedRep of Table 1)."""
+    grid(args, records, rows, "digits_4x5", ["fedavg", "fedprox", "ditto", "fedrep"], 5)
+
+
 def _clear(run_dir: Path) -> None:
     import shutil
 
@@ -285,7 +349,13 @@ def _clear(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-WORKLOADS = {"digits_fedrep": digits_fedrep, "mixed_regression": mixed_regression, "design": design}
+WORKLOADS = {
+    "digits_fedrep": digits_fedrep,
+    "mixed_regression": mixed_regression,
+    "design": design,
+    "table1_digits": table1_digits,
+    "digits_4x5": digits_4x5,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=100, help="digits_fedrep rounds (the quickstart's 100)")
     parser.add_argument("--mr_rounds", type=int, default=400, help="mixed_regression Phase-2 rounds")
     parser.add_argument("--seeds", type=int, default=5, help="digits_fedrep seeds")
+    parser.add_argument("--grid_rounds", type=int, default=100, help="table1_digits / digits_4x5 rounds (Table 1: 100)")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/bench/run_axis"))
     args = parser.parse_args(argv)

@@ -205,8 +205,9 @@ def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, capsys):
 @pytest.mark.slow
 def test_interrupt_then_rerun_finishes_only_the_unfinished_runs(tmp_path):
     """Ctrl-C (SIGINT) in the middle of the grid, then the same command: finished runs are not redone, the
-    interrupted one resumes from its checkpoint, the rest start."""
-    path = write_experiment(tmp_path, tiny(rounds=12))
+    interrupted one resumes from its checkpoint, the rest start. One run at a time (``batch_runs: 1``): batched
+    runs finish together (tests/experiment/test_batch_runs.py interrupts a batch)."""
+    path = write_experiment(tmp_path, tiny(rounds=12, batch_runs=1))
     runs = tmp_path / "runs" / "tiny"
     cmd = [sys.executable, "-m", "fl_lightning.experiment", "run", str(path), "--runs-dir", str(tmp_path / "runs")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}

@@ -3,7 +3,8 @@
 Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
 (``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs that
 can share a process (the same algorithm class and network, one process per run: the seeds of a method, its
-hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``), at most
+hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``, a child
+process), at most
 ``batch_runs`` at a time (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
 the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis
 labels and the command. A run dir is
@@ -295,30 +296,26 @@ def batch_groups(
     return jobs
 
 
-def run_batch_in_process(arg_lists: list[list[str]], names: list[str], logs: list[Path]) -> list[tuple[str, str]]:
-    """``train.py`` runs as one batched job in this process (``fl_lightning.engine.run_axis``), each printing to its
-    own log; (status, one-line error) per run."""
-    from fl_lightning.engine.run_axis.driver import BatchedRuns
-
-    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
-    try:
-        outcomes = BatchedRuns(arg_lists, names, check=False, logs=logs).run()
-    finally:
-        sys.argv = argv
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        with contextlib.suppress(Exception):
-            _finish_wandb()
-    return [(o.status if o.status in ("done", "failed") else "interrupted", o.error) for o in outcomes]
-
-
+#: a batched job is one child process of the run axis (``python -m fl_lightning.engine.run_axis --runs FILE``)
 BATCH_COMMAND = [sys.executable, "-m", "fl_lightning.engine.run_axis", "--runs"]
 
 
-def batch_status(run: RunSpec, batch_log: Path) -> tuple[str, str]:
-    """A run of a batched worker job: done when its summary exists, else failed with its log's last error."""
-    if (run.run_dir / "summary.json").is_file():
-        return "done", ""
-    return "failed", last_error_line(run.run_dir / "train.log") or last_error_line(batch_log) or "no summary.json"
+def run_batch(workers: Workers, runs: list[RunSpec], arg_lists: list[list[str]], folder: Path) -> list[tuple[str, str]]:
+    """``runs`` as one batched job in a child process, each printing to its own ``train.log``; (status, one-line
+    error) per run: done when its summary exists. The job's ``--runs`` file and its own log go to ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / f"{runs[0].wandb_name}.json"
+    jobs = [{"args": a, "name": r.wandb_name, "log": str(r.run_dir / "train.log")} for r, a in zip(runs, arg_lists)]
+    spec.write_text(json.dumps(jobs, indent=1))
+    status, error = workers.run([str(spec)], spec.with_suffix(".log"), BATCH_COMMAND)
+    if status == "interrupted":
+        return [(status, error)] * len(runs)
+    return [
+        ("done", "")
+        if (r.run_dir / "summary.json").is_file()
+        else ("failed", last_error_line(r.run_dir / "train.log") or error or "no summary.json")
+        for r in runs
+    ]
 
 
 def execute(
@@ -358,7 +355,7 @@ def execute(
         progress.line(f"{skipped} finished run(s) skipped")
     resolved = [None if configs is None else configs.get(str(run.run_dir)) for run in runs]
     units = batch_groups(list(todo), resolved, batch_runs)
-    batches = experiment.out_dir / "batches"  # a worker's batched job: its --runs file and its own log
+    batches = experiment.out_dir / "batches"  # each batched job's --runs file and its own log
 
     def report(i: int, status: str, error: str, seconds: float) -> None:
         run = runs[i]
@@ -378,35 +375,25 @@ def execute(
         for i in unit:
             _log_header(runs[i].run_dir / "train.log", runs[i], todo[i][0])
 
-    def submit_to(pool: ThreadPoolExecutor, workers: Workers, unit: list[int]) -> Future:
-        if len(unit) == 1:
-            return pool.submit(workers.run, todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")
-        batches.mkdir(parents=True, exist_ok=True)
-        spec = batches / f"{runs[unit[0]].wandb_name}.json"
-        spec.write_text(json.dumps(
-            [{"args": todo[i][0], "name": runs[i].wandb_name, "log": str(runs[i].run_dir / "train.log")} for i in unit],
-            indent=1,
-        ))  # fmt: skip
-        return pool.submit(workers.run, [str(spec)], spec.with_suffix(".log"), BATCH_COMMAND)
-
     interrupted = False
     try:
         if jobs <= 1:
+            batch_worker = Workers(1)
             for unit in units:
                 announce(unit)
                 start = time.perf_counter()
                 if len(unit) == 1:
                     results = [run_in_process(todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")]
                 else:
-                    results = run_batch_in_process(
-                        [todo[i][0] for i in unit], [runs[i].wandb_name for i in unit],
-                        [runs[i].run_dir / "train.log" for i in unit],
-                    )  # fmt: skip
+                    try:
+                        results = run_batch(batch_worker, [runs[i] for i in unit], [todo[i][0] for i in unit], batches)
+                    except KeyboardInterrupt:
+                        batch_worker.stop()  # Ctrl-C reaches the job too: each run keeps its last checkpoint
+                        raise
                 seconds = time.perf_counter() - start
+                interrupted = any(status == "interrupted" for status, _ in results)
                 for i, (status, error) in zip(unit, results):
-                    if status == "interrupted":
-                        interrupted = True
-                    else:
+                    if status != "interrupted":
                         report(i, status, error, seconds)
                 if interrupted:
                     break
@@ -420,18 +407,22 @@ def execute(
                         while queue and len(pending) < jobs:
                             unit = queue.pop(0)
                             announce(unit)
-                            pending[submit_to(pool, workers, unit)] = (unit, time.perf_counter())
+                            if len(unit) == 1:
+                                job = pool.submit(workers.run, todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")
+                            else:
+                                job = pool.submit(
+                                    run_batch, workers, [runs[i] for i in unit], [todo[i][0] for i in unit], batches
+                                )
+                            pending[job] = (unit, time.perf_counter())
                         done, _ = wait(list(pending), timeout=1.0, return_when=FIRST_COMPLETED)
                         for fut in done:
                             unit, start = pending.pop(fut)
-                            status, error = fut.result()
-                            if status == "interrupted":
-                                interrupted = True
-                                continue
-                            for i in unit:
-                                if len(unit) > 1:
-                                    status, error = batch_status(runs[i], batches / f"{runs[unit[0]].wandb_name}.log")
-                                report(i, status, error, time.perf_counter() - start)
+                            results = fut.result() if len(unit) > 1 else [fut.result()]
+                            for i, (status, error) in zip(unit, results):
+                                if status == "interrupted":
+                                    interrupted = True
+                                else:
+                                    report(i, status, error, time.perf_counter() - start)
                         if interrupted:
                             workers.stop()
                             break

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -141,3 +146,38 @@ def test_worker_jobs_run_a_batch_as_one_process(tmp_path, capsys):
     batch = json.loads((tmp_path / "runs" / "workers" / "batches" / "fedrep-s0.json").read_text())
     assert [Path(r["log"]).parent.name for r in batch] == ["s0", "s1"]
     assert len(summaries(tmp_path / "runs", "workers")) == 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path):
+    """SIGINT while a batched job trains: exit 130, every run keeps its checkpoint; the same command resumes both
+    runs (``--ckpt_path last``) and finishes them."""
+    data = grid("stop")
+    data["axes"]["method"] = {"fedrep": f"{DIGITS}/fedrep.yaml"}
+    data["set"]["trainer.max_steps"] = 40
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cmd = [sys.executable, "-m", "fl_lightning.experiment", "run", str(path), "--runs-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    dirs = [tmp_path / "runs" / "stop" / "fedrep" / s for s in ("s0", "s1")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all(any((d / "checkpoints").glob("round*.ckpt")) for d in dirs):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "run the same command again" in err and "[batch]" in err
+    assert not any((d / "summary.json").exists() for d in dirs)
+
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for d in dirs:
+        log = (d / "train.log").read_text()
+        assert log.count("====") == 2 and "--ckpt_path last" in log.split("====")[-1]  # resumed
+        assert json.loads((d / "summary.json").read_text())["rounds"] == 40
