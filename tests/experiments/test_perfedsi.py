@@ -1,5 +1,5 @@
 """PerFedSI (issue 5): the concat and mask formulas, the feature shift, side information (z itself stays on the
-client; what the uploads reveal about it is declared and tested in test_privacy.py), BatchNorm averaging, the
+client; what the uploads reveal about it is declared and tested in properties/test_privacy.py), BatchNorm averaging, the
 synthetic matrix completion and the linear bias toy."""
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def observe_uploads(module: FederatedModule, sink: list) -> None:
 def test_mask_upload_reveals_the_side_group_as_declared_and_bn_buffers_are_averaged():
     """PerFedSI's mask model uploads every parameter and BN buffer (no other name, no z), but the learned mask's
     update moves only the client's column of W: the upload reveals the side group, which the ledger records
-    as side-dependent (``Mask.reveals``, ``tests/test_privacy.py``)."""
+    as side-dependent (``Mask.reveals``, ``tests/properties/test_privacy.py``)."""
     torch.manual_seed(0)
     net = PerFedSIMask(10, 4, "learned", in_channels=1, image_size=16, width=8)
     dm = DigitsShiftDataModule(num_clients=8, clients_per_round=4, seed=0)

@@ -358,7 +358,7 @@ def test_each_algorithms_personal_split_is_pinned_by_name():
         "OneShotClustering": ("assign",),
         "PowerInitLocalGD": ("U",),
         "AlternatingGD": ("U",),
-        "FedBN": (),  # every BatchNorm layer of the network, found at set-up (tests/test_methods_a.py pins it)
+        "FedBN": (),  # every BatchNorm layer of the network, found at set-up (tests/algorithms/test_fedbn.py pins it)
         "FedBABU": (),
         "FedRoD": (),  # its personal head is client state (``p_head.``), not a network layer
         "FedALA": (),  # its local model and weights are client state (``local.``, ``ala_w.``)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tools import mutation_report
-from tools.mutation_run import cap_tests
+from tools.mutation_run import cap_tests, drop_stale_tests
 
 MUTATED_FILE = '''
 def x_scale__mutmut_orig(v):
@@ -107,3 +107,20 @@ def test_cap_takes_one_case_of_each_test_function_before_a_second() -> None:
     selection = {"f": set(durations)}
     cap_tests(selection, durations, 4)
     assert selection["f"] == {"t::p[1]", "t::r[1]", "t::q", "t::p[2]"}
+
+
+def test_stale_copies_of_moved_tests_are_deleted_and_current_ones_kept(tmp_path: Path) -> None:
+    """mutmut copies tests/ over mutants/tests without deleting: a file moved since (and its cache) must go."""
+    tests, copy = tmp_path / "tests", tmp_path / "mutants" / "tests"
+    for root in (tests, copy):
+        (root / "engine").mkdir(parents=True)
+        (root / "engine" / "test_module.py").write_text("x = 1\n")
+    (copy / "test_mut_module_config.py").write_text("import helpers\n")
+    (copy / "old").mkdir()
+    (copy / "old" / "test_a.py").write_text("")
+    (copy / "engine" / "__pycache__").mkdir()
+    (copy / "engine" / "__pycache__" / "test_module.cpython-311.pyc").write_bytes(b"")
+    stale = drop_stale_tests(tests, copy)
+    assert sorted(map(str, stale)) == ["engine/__pycache__", "old", "test_mut_module_config.py"]
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["engine", "engine/test_module.py"]
+    assert drop_stale_tests(tests, tmp_path / "absent") == []
