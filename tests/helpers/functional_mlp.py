@@ -1,5 +1,7 @@
-"""A small MLP written as functions of a parameter dict (``NAMES``), its loss and gradient as plain-torch
-references, and the ``setup`` fixture of one client with that network (the baselines' client-update references)."""
+"""A small float64 MLP written as functions of a parameter dict (``NAMES``): its loss and gradient as plain-torch
+references, torch's momentum SGD step written out (``HeavyBall``), the ``double_mlp_setup`` fixture of one client with
+that network, and a short digits run (``run_digits``); the client-update references of FedProx, SCAFFOLD, Ditto,
+APFL, L2GD, Per-FedAvg and Fed-MTL."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""References for the pFL methods on the digits MLP: heavy-ball local SGD in plain torch, the MLP's features and
-forward from a parameter dict, evaluation scores and weighted means, and a short digits fit."""
+"""References for FedBN, FedBABU, FedRoD and FedALA on small networks: heavy-ball local SGD in plain torch, an MLP's
+features and forward from a parameter dict, evaluation scores and weighted means, a BatchNorm network (``TinyBN``),
+a short digits fit, and the methods' names and one-line errors for the config runs."""
 
 from __future__ import annotations
 

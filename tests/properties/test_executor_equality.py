@@ -36,20 +36,9 @@ from tests.helpers.heavy_ball_mlp import METHODS
 from tests.helpers.round_references import DIGITS
 from tests.helpers.training import fit
 
-
 # ---- every method on digits, both executors, with held-out new clients -------------------------------------------
-class DigitsWithNewClients(DigitsDataModule):
-    """Digits with 5 held-out clients (another partition seed) that never train (FedRep Fig. 6-style)."""
-
-    def setup(self, stage=None):
-        super().setup(stage)
-        other = DigitsDataModule(num_clients=5, partition=Shards(2), seed=7)
-        other.setup()
-        self.new_clients = other.federated
-
-
 NEW_CLIENTS = [
-    "--data", "tests.properties.test_executor_equality.DigitsWithNewClients", "--data.init_args.num_clients", "10",
+    "--data", "tests.helpers.digits_runs.DigitsWithNewClients", "--data.init_args.num_clients", "10",
     "--data.init_args.participation", "0.3", "--data.init_args.partition", "datamodules.Shards",
 ]  # fmt: skip
 

@@ -172,7 +172,7 @@ def test_test_subcommand_evaluates_the_test_split_and_new_clients(finished_run, 
     summary = json.loads((finished_run / "summary.json").read_text())
     assert abs(result["test/acc_mean"] - summary["final"]) <= 1e-6 and "test/new_clients_acc" not in result
     # a DataModule with held-out clients: they are fine-tuned and evaluated too (as at the end of fit)
-    new = ["--data", "tests.properties.test_lightning_features.DigitsWithNewClients"]
+    new = ["--data", "tests.helpers.digits_runs.DigitsWithNewClients"]
     new += ["--data.init_args.num_clients", "20"]
     new += ["--data.init_args.participation", "0.2", "--data.init_args.partition", "datamodules.Shards"]
     assert cli("test", *args, *new) == 0
@@ -181,14 +181,6 @@ def test_test_subcommand_evaluates_the_test_split_and_new_clients(finished_run, 
     assert abs(result["test/acc_mean"] - summary["final"]) <= 1e-6
 
 
-class DigitsWithNewClients(DigitsDataModule):
-    """Digits with 5 held-out clients (another partition seed) as ``new_clients``."""
-
-    def setup(self, stage=None):
-        super().setup(stage)
-        other = DigitsDataModule(num_clients=5, partition=Shards(2), seed=7)
-        other.setup()
-        self.new_clients = other.federated
 
 
 def test_validate_after_fit_in_python_gives_the_last_evaluation():
