@@ -33,6 +33,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.digits_mlp import LR, MOMENTUM, assert_params_close, client_data, params_of
 
 
@@ -43,7 +44,7 @@ def test_weight_decay_on_weights_only():
     x, y = client_data()
     glob = params_of(net)
     opt = ClientOptimizer(lr=LR, momentum=MOMENTUM, weight_decay=1e-2, batch_size=10_000, decay_bias=False)
-    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0))
+    ctx = client_context(net, x, y, optimizer=opt, loss=F.cross_entropy)
     upd = FedAvg(local_epochs=3).client_update(ctx, glob, {})
     ref = copy.deepcopy(net)
     weights = [p for n, p in ref.named_parameters() if not n.endswith("bias")]
@@ -179,7 +180,7 @@ def test_fresh_client_context_reports_no_loss_no_steps_and_no_kept_state() -> No
     tensor, and no kept optimiser state; the phase returns the parameters unchanged."""
     net = nn.Linear(3, 2)
     x, y = torch.ones(4, 3), torch.tensor([0, 1, 0, 1])
-    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(), F.cross_entropy, make_generator(0, "t", 0, 0))
+    ctx = client_context(net, x, y, loss=F.cross_entropy, generator=make_generator(0, "t", 0, 0))
     params = {n: p.detach().clone() for n, p in net.named_parameters()}
     out = ctx.sgd(params, [], epochs=1)
     for n, v in params.items():
@@ -216,7 +217,7 @@ def test_kept_state_takes_the_parameter_dtype_and_continues_adam_in_float64() ->
         assert template[state_name("exp_avg_sq", n)].shape == p.shape
         assert template[state_name("step", n)].dtype == torch.get_default_dtype()
         assert template[state_name("steps", n)].dtype == torch.long
-    ctx = ClientContext(net, 0, x, y, None, optimizer, F.cross_entropy, make_generator(0, "t", 0, 0))
+    ctx = client_context(net, x, y, optimizer=optimizer, loss=F.cross_entropy, generator=make_generator(0, "t", 0, 0))
     ctx.optimizer_state = template
     out = ctx.sgd(ctx.sgd(params, list(params), epochs=1), list(params), epochs=1)
 
@@ -272,7 +273,7 @@ def _params(net: nn.Module) -> dict[str, Tensor]:
 
 
 def _ctx(net: nn.Module, x: Tensor, y: Tensor, opt: ClientOptimizer, **kw) -> ClientContext:
-    return ClientContext(net, 0, x, y, None, opt, F.mse_loss, _gen(), **kw)
+    return client_context(net, x, y, optimizer=opt, loss=F.mse_loss, generator=_gen(), **kw)
 
 
 def _reference(
@@ -514,8 +515,10 @@ def test_channels_last_batches_and_phase_keep_values() -> None:
     params = _params(net)
     results = []
     for cl in (False, True):
-        ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=0.1, batch_size=4), F.cross_entropy, _gen(),
-                            channels_last=cl)  # fmt: skip
+        ctx = client_context(
+            net, x, y, optimizer=ClientOptimizer(lr=0.1, batch_size=4), loss=F.cross_entropy, generator=_gen(),
+            channels_last=cl,
+        )
         batches = list(ctx.batches())
         if cl:
             assert all(b.is_contiguous(memory_format=torch.channels_last) for b, _ in batches)
@@ -544,7 +547,7 @@ def test_side_information_is_expanded_per_row_and_passed_to_the_network() -> Non
     x, y = _data(4)
     side = torch.tensor([0.5, -1.0], dtype=torch.float64)
     net = _WithSide()
-    ctx = ClientContext(net, 0, x, y, side, ClientOptimizer(), F.mse_loss, _gen())
+    ctx = client_context(net, x, y, side=side, loss=F.mse_loss, generator=_gen())
     assert_close_finite(ctx.side_for(3), side.repeat(3, 1))
     assert ctx.side_for(3).shape == (3, 2)
     params = {n: p.detach() for n, p in net.named_parameters()}
@@ -555,7 +558,7 @@ def test_side_information_is_expanded_per_row_and_passed_to_the_network() -> Non
         + (side @ torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64))
     )
     assert_close_finite(ctx.forward(params, x), expected)
-    assert ClientContext(net, 0, x, y, None, ClientOptimizer(), F.mse_loss, _gen()).side_for(3) is None
+    assert client_context(net, x, y, loss=F.mse_loss, generator=_gen()).side_for(3) is None
 
 
 def test_step_limit_cases() -> None:
@@ -677,7 +680,7 @@ HEAD = ["head.weight", "head.bias"]
 def client(net: nn.Module, x: Tensor, y: Tensor, batch_size: int = 10, channels_last: bool = False) -> ClientContext:
     opt = ClientOptimizer(lr=0.01, momentum=0.5, batch_size=batch_size)
     gen = torch.Generator().manual_seed(0)
-    return ClientContext(net, 0, x, y, None, opt, loss_fn_for(3), gen, channels_last=channels_last)
+    return client_context(net, x, y, optimizer=opt, loss=loss_fn_for(3), generator=gen, channels_last=channels_last)
 
 
 def ones_gradient(p: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Params, Tensor]:

@@ -11,11 +11,12 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import AlternatingGD
 from fl_lightning.algorithms.alternating_gd import wk_constants
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LowRankFactors
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 D, R, ROWS = 6, 2, [5, 3, 4]  # client 1 and 2 have fewer rows than U's 5
 
@@ -81,8 +82,10 @@ def test_alternating_gd_rounds_equal_the_numpy_reference():
     for rnd in range(SIGMA_ROUNDS + 3):
         uploads = []
         for c, block in enumerate(s):
-            ctx = ClientContext(net, c, torch.arange(ROWS[c]), torch.tensor(block), None, opt, F.mse_loss,
-                                make_generator(0, c), round_idx=rnd)  # fmt: skip
+            ctx = client_context(
+                net, torch.arange(ROWS[c]), torch.tensor(block), client=c, optimizer=opt, loss=F.mse_loss,
+                generator=make_generator(0, c), round_idx=rnd,
+            )
             up = algo.client_update(ctx, glob, states[c])
             assert up.num_samples == 1  # every client counts once in the average
             uploads.append(up.upload)
@@ -132,7 +135,9 @@ def test_alternating_gd_reads_the_clients_rows_in_the_factors_dtype():
     algo.setup(glob, 1)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
     s32 = torch.tensor(block, dtype=torch.float32)
-    ctx = ClientContext(net, 0, torch.arange(ROWS[0]), s32, None, opt, F.mse_loss, make_generator(0, 0))
+    ctx = client_context(
+        net, torch.arange(ROWS[0]), s32, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, 0),
+    )
     up = algo.client_update(ctx, glob, algo.init_client_state(glob))
     assert up.upload["power"].dtype == torch.float64
     s = s32.double().numpy()

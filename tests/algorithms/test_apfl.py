@@ -10,10 +10,11 @@ from torch import Tensor
 
 from fl_lightning.algorithms import APFL
 from fl_lightning.algorithms.apfl import mix
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer, loss_fn_for
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.functional_mlp import NAMES, HeavyBall, close, rand_params, ref_grad
 from tests.helpers.models import LinearRegressor
 
@@ -111,8 +112,9 @@ def test_client_update_reports_the_mixed_models_loss() -> None:
     w0, v0 = np.array([[0.3, -0.6]]), np.array([[1.0, 0.4]])
     alpha, lr = 0.4, 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
-    ctx = ClientContext(
-        LinearRegressor(D, bias=False).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "apfl")
+    ctx = client_context(
+        LinearRegressor(D, bias=False).double(), x, y, optimizer=opt, loss=loss_fn_for(None),
+        generator=make_generator(0, "apfl"),
     )
     alg = APFL(alpha=alpha)
     up = alg.client_update(ctx, {"fc.weight": torch.tensor(w0)}, {"v.fc.weight": torch.tensor(v0)})

@@ -17,6 +17,7 @@ from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.counted_model import Counted, D
 from tests.helpers.heavy_ball_mlp import (
     HEAD,
@@ -137,8 +138,10 @@ def test_fedala_first_round_reports_the_sgd_loss():
     glob = {"head.weight": torch.randn(1, D, generator=g, dtype=torch.float64),
             "head.bias": torch.randn(1, generator=g, dtype=torch.float64), "count": torch.tensor(7)}  # fmt: skip
     algo = FedALA()
-    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=0.1, momentum=0.0, batch_size=10), F.mse_loss,
-                        make_generator(1))  # fmt: skip
+    ctx = client_context(
+        net, x, y, optimizer=ClientOptimizer(lr=0.1, momentum=0.0, batch_size=10), loss=F.mse_loss,
+        generator=make_generator(1),
+    )
     up = algo.client_update(ctx, glob, algo.init_client_state(glob))
     r = x @ glob["head.weight"].T + glob["head.bias"] - y
     assert float(up.loss) == pytest.approx(float((r**2).mean()), rel=1e-12)
@@ -222,7 +225,7 @@ def problem(n: int, seed: int = 0) -> tuple[Tensor, Tensor, dict[str, Tensor], d
 
 def context(x: Tensor, y: Tensor, batch_size: int, seed: int = 5) -> ClientContext:
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=batch_size)
-    return ClientContext(TinyLinear(), 0, x, y, None, opt, F.mse_loss, make_generator(seed, "ala", 0))
+    return client_context(TinyLinear(), x, y, optimizer=opt, loss=F.mse_loss, generator=make_generator(seed, "ala", 0))
 
 
 def reference(

@@ -13,6 +13,7 @@ from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 D, K, N, BS, LR = 3, 2, 5, 2, 0.1
 
@@ -29,7 +30,9 @@ def problem() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
 def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
     net = LinearRepresentation(D, K).double()
     opt = ClientOptimizer(lr=LR, momentum=0.0, batch_size=BS)
-    return ClientContext(net, 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "fas", 0), step_budget=budget)
+    return client_context(
+        net, x, y, optimizer=opt, loss=loss_fn_for(None), generator=make_generator(0, "fas", 0), step_budget=budget,
+    )
 
 
 def np_sgd(glob: dict[str, torch.Tensor], x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, ...]:

@@ -9,13 +9,14 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms import FedBABU
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FineTune
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.heavy_ball_mlp import BODY, HEAD, MLP, TOL, far, fit, local_sgd, mlp_forward, scores, weighted_mean
 
 
@@ -93,7 +94,7 @@ def test_client_update_trains_the_body_through_the_fixed_head() -> None:
     lr = 0.3
     net = SplitModel(nn.Linear(D, 1, bias=False), nn.Linear(1, 1, bias=False)).double()
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)  # one batch: the first step is −lr·∇
-    ctx = ClientContext(net, 0, x, y, None, opt, half_mse, make_generator(0, "babu"))
+    ctx = client_context(net, x, y, optimizer=opt, loss=half_mse, generator=make_generator(0, "babu"))
     alg = FedBABU()
     up = alg.client_update(ctx, glob, {})
 

@@ -12,13 +12,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedProto
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.body_head_network import BodyHead, C, D, H, inputs, np_features, np_head, weights
+from tests.helpers.clients import client_context
 from tests.helpers.round_references import (
     FULL_BATCH,
     LR,
@@ -103,7 +104,7 @@ def test_fedproto_finetune_trains_on_the_local_loss_with_the_global_prototypes()
     alg.global_prototypes.copy_(torch.rand(10, 8, generator=g))
     alg.prototype_counts[:3] = 5.0  # classes 0-2 have a prototype, class 3 has none
     opt = ClientOptimizer(lr=LR, momentum=MOMENTUM, batch_size=FULL_BATCH)
-    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "t", 0, 0))
+    ctx = client_context(net, x, y, optimizer=opt, loss=F.cross_entropy, generator=make_generator(0, "t", 0, 0))
     tuned = alg.finetune(ctx, params_of(net), 4, ("",))
     expected = fedproto_train(copy.deepcopy(net), x, y, alg.global_prototypes, alg.known, 2.0, 4)
     assert_matches(tuned, params_of(expected), tuned)
@@ -181,7 +182,7 @@ def np_objective(p: dict[str, Tensor], x: Tensor, y: Tensor, side: np.ndarray, k
 def test_objective_passes_the_client_side_information_per_sample() -> None:
     p, (x, y) = weights(), inputs(4)
     s = torch.tensor([0.75, -0.5], dtype=torch.float64)  # the client's side vector, one per sample in the batch
-    ctx = ClientContext(network(True), 0, x, y, s, ClientOptimizer(), F.cross_entropy, make_generator(0, "proto"))
+    ctx = client_context(network(True), x, y, side=s, loss=F.cross_entropy, generator=make_generator(0, "proto"))
     alg = with_prototypes([3.0, 0.0, 1.0], lam=0.7)
     got = alg.objective(ctx)(p, x, y)
     known = np.array([1.0, 0.0, 1.0])
@@ -195,7 +196,9 @@ def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: f
     p, (x, y) = weights(), inputs(5)  # labels 0, 2, 2, 1, 0
     lr = 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
-    ctx = ClientContext(network(False), 0, x, y, None, opt, F.cross_entropy, make_generator(1, "proto"))
+    ctx = client_context(
+        network(False), x, y, optimizer=opt, loss=F.cross_entropy, generator=make_generator(1, "proto"),
+    )
     alg = with_prototypes([1.0, 0.0, 4.0], lam=lam)
     known = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     up = alg.client_update(ctx, p, alg.init_client_state(p))

@@ -14,13 +14,14 @@ from torch.nn import functional as F
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedRoD
 from fl_lightning.algorithms.fedrod import log_prior
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.heavy_ball_mlp import (
     FULL_BATCH,
     LR,
@@ -249,8 +250,10 @@ def test_fedrod_client_update_equals_the_plain_torch_reference(
     state = {k: torch.full_like(v, 0.3) + torch.arange(v.numel()).view_as(v) * 0.05 for k, v in state.items()}
     opt = ClientOptimizer(lr=LR_2, momentum=MOM, batch_size=batch_size)
     gen_parts = (5, "t", 2, 1)
-    ctx = ClientContext(net, 1, x, y, s if side else None, opt, F.cross_entropy, make_generator(*gen_parts),
-                        round_idx=2, step_budget=budget)  # fmt: skip
+    ctx = client_context(
+        net, x, y, client=1, side=s if side else None, optimizer=opt, loss=F.cross_entropy,
+        generator=make_generator(*gen_parts), round_idx=2, step_budget=budget,
+    )
     update = algo.client_update(ctx, glob, state)
 
     personal0 = {n.removeprefix("p_head.head."): v for n, v in state.items()}
@@ -325,7 +328,7 @@ def test_fedrod_refuses_a_regression_task():
     algo.setup(glob, 2)
     x, _, _ = client_data()
     opt = ClientOptimizer(lr=LR_2, momentum=MOM, batch_size=3)
-    ctx = ClientContext(net, 0, x, torch.zeros(7), None, opt, F.mse_loss, make_generator(0))
+    ctx = client_context(net, x, torch.zeros(7), optimizer=opt, loss=F.mse_loss)
     message = r"^FedRoD is a classification method \(balanced softmax over classes\); the task has none$"
     with pytest.raises(ConfigError, match=message):
         algo.client_update(ctx, glob, algo.init_client_state(glob))
@@ -351,7 +354,9 @@ def test_fedrod_runs_on_a_network_without_a_side_attribute():
     algo.setup(glob, 2)
     state = algo.init_client_state(glob)
     opt = ClientOptimizer(lr=LR_2, momentum=MOM, batch_size=3)
-    ctx = ClientContext(net, 1, x, y, None, opt, F.cross_entropy, make_generator(5, "t", 2, 1), round_idx=2)
+    ctx = client_context(
+        net, x, y, client=1, optimizer=opt, loss=F.cross_entropy, generator=make_generator(5, "t", 2, 1), round_idx=2,
+    )
     update = algo.client_update(ctx, glob, state)
     personal0 = {n.removeprefix("p_head.head."): v for n, v in state.items()}
     shared, personal, loss, steps = reference(net, x, y, None, 3, 2, 1.0, (5, "t", 2, 1), personal0)

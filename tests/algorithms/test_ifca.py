@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA, refine
-from fl_lightning.client import ClientContext, ClientOptimizer, Params
+from fl_lightning.client import ClientContext, Params
 from fl_lightning.engine.rounds import make_generator
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 K, D, N = 3, 2, 5
 
@@ -28,9 +29,8 @@ def problem() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
 
 
 def context(x: Tensor, y: Tensor, round_idx: int = 0) -> ClientContext:
-    return ClientContext(
-        nn.Linear(1, 1), 0, x, y, None, ClientOptimizer(), nn.functional.mse_loss, make_generator(0, "ifca"),
-        round_idx=round_idx,
+    return client_context(
+        nn.Linear(1, 1), x, y, loss=nn.functional.mse_loss, generator=make_generator(0, "ifca"), round_idx=round_idx,
     )
 
 

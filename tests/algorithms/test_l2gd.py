@@ -10,10 +10,10 @@ import torch
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import L2GD
-from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite, assert_params_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.counted_model import Counted, D
 from tests.helpers.functional_mlp import LR, NAMES, close, rand_params, ref_grad
 from tests.helpers.split_models import NAMES as NAMES_2
@@ -100,7 +100,7 @@ def test_l2gd_aggregation_step_mixes_floats_and_keeps_integer_buffers():
     state = {"x.head.weight": torch.full((1, D), 3.0, dtype=torch.float64),
              "x.head.bias": torch.full((1,), 2.0, dtype=torch.float64), "x.count": torch.tensor(7)}  # fmt: skip
     x, y = torch.zeros(2, D, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.float64)
-    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(), F.mse_loss, make_generator(1), round_idx=rnd, seed=seed)
+    ctx = client_context(net, x, y, loss=F.mse_loss, generator=make_generator(1), round_idx=rnd, seed=seed)
     up = algo.client_update(ctx, glob, state)
     assert_close_finite(up.state["x.head.weight"], torch.full((1, D), 2.0), rtol=0, atol=1e-15)
     assert_close_finite(up.upload["delta_x.head.bias"], [-1.0], rtol=0, atol=1e-15)

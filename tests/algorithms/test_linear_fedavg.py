@@ -15,6 +15,7 @@ from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 D, K, N = 4, 2, 6
 
@@ -42,7 +43,7 @@ def problem(dtype: torch.dtype = torch.float64) -> tuple[dict[str, torch.Tensor]
 def context(x: torch.Tensor, y: torch.Tensor, client: int = 0) -> ClientContext:
     net = LinearRepresentation(D, K).to(x.dtype)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    return ClientContext(net, client, x, y, None, opt, F.mse_loss, make_generator(0, client))
+    return client_context(net, x, y, client=client, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, client))
 
 
 def test_argument_checks_boundaries_and_paper_defaults():

@@ -14,11 +14,11 @@ from datamodules import SyntheticLinearDataModule
 from fl_lightning.algorithms import LinearFedRep
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
-from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import principal_angle_distance
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.training import fit
 
 
@@ -32,7 +32,7 @@ def linear_setup(m=7, d=6, k=2, seed=1):
         "body.weight": torch.tensor(b.T, dtype=torch.float64),
         "head.weight": torch.zeros(1, k, dtype=torch.float64),
     }
-    ctx = ClientContext(net, 0, torch.tensor(x), torch.tensor(y), None, ClientOptimizer(), None, make_generator(0))
+    ctx = client_context(net, torch.tensor(x), torch.tensor(y))
     return x, y, b, w0, glob, ctx
 
 
@@ -80,7 +80,7 @@ def context(dtype: torch.dtype, client: int = 1) -> ClientContext:
     x = torch.randn(5, D, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randn(5, generator=g, dtype=torch.float64).to(dtype)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    return ClientContext(LinearRepresentation(D, K).to(dtype), client, x, y, None, opt, F.mse_loss, make_generator(0))
+    return client_context(LinearRepresentation(D, K).to(dtype), x, y, client=client, optimizer=opt, loss=F.mse_loss)
 
 
 def test_population_gd_heads_body_step_and_loss_in_the_parameters_dtype():

@@ -16,6 +16,7 @@ from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LowRankFactors
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 D, R, ROWS, MAX_ROWS = 6, 2, 5, 7
 
@@ -33,7 +34,9 @@ def setup_algo(algo: PowerInitLocalGD) -> tuple[LowRankFactors, dict[str, torch.
 
 def context(net: LowRankFactors, s: torch.Tensor, rnd: int) -> ClientContext:
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    return ClientContext(net, 0, torch.arange(ROWS), s, None, opt, F.mse_loss, make_generator(0, 0), round_idx=rnd)
+    return client_context(
+        net, torch.arange(ROWS), s, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, 0), round_idx=rnd,
+    )
 
 
 def test_argument_checks_boundaries():

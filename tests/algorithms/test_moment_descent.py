@@ -18,6 +18,7 @@ from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 
 # ---- FedMD Phase 1 against numpy ------------------------------------------------------------------------------
@@ -232,7 +233,9 @@ def context(net, c: int, n: int, rnd: int) -> ClientContext:
     g = torch.Generator().manual_seed(c)
     x, y = torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    return ClientContext(net, c, x, y, None, opt, F.mse_loss, make_generator(0, c), round_idx=rnd)
+    return client_context(
+        net, x, y, client=c, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, c), round_idx=rnd,
+    )
 
 
 def test_fedmd_registration_draws_anchors_among_the_eligible_clients():
@@ -316,7 +319,9 @@ def test_fedmd_subspace_round_uploads_the_pair_moment_share_in_the_models_dtype(
     x32 = torch.tensor(rng.normal(size=(6, 4)), dtype=data_dtype)
     y32 = torch.tensor(rng.normal(size=6), dtype=data_dtype)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    ctx = ClientContext(net, 1, x32, y32, None, opt, F.mse_loss, make_generator(0, 1), round_idx=1)
+    ctx = client_context(
+        net, x32, y32, client=1, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, 1), round_idx=1,
+    )
     up = algo.client_update(ctx, glob, {})
     x, y = x32.to(model_dtype).double().numpy(), y32.to(model_dtype).double().numpy()
     theta = glob["theta"][0].double().numpy()
@@ -358,8 +363,10 @@ def test_fedmd_orthogonal_phase1_round_by_round(pairing):
     def round_(rnd: int) -> list[dict]:
         ups = []
         for c, (x, y) in enumerate(data):
-            ctx = ClientContext(net, c, torch.tensor(x), torch.tensor(y), None, opt, F.mse_loss,
-                                make_generator(0, c), round_idx=rnd)  # fmt: skip
+            ctx = client_context(
+                net, torch.tensor(x), torch.tensor(y), client=c, optimizer=opt, loss=F.mse_loss,
+                generator=make_generator(0, c), round_idx=rnd,
+            )
             up = algo.client_update(ctx, glob, {})
             assert up.num_samples == sizes[c] and up.loss == 0.0  # Phase 1 trains nothing: no loss to report
             ups.append(up.upload)

@@ -16,6 +16,7 @@ from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 D = 3
 
@@ -35,8 +36,10 @@ def clients() -> list[tuple[np.ndarray, np.ndarray]]:
 
 def context(net, c: int, x: np.ndarray, y: np.ndarray, rnd: int) -> ClientContext:
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    return ClientContext(net, c, torch.tensor(x), torch.tensor(y), None, opt, F.mse_loss, make_generator(0, c),
-                         round_idx=rnd)  # fmt: skip
+    return client_context(
+        net, torch.tensor(x), torch.tensor(y), client=c, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, c),
+        round_idx=rnd,
+    )
 
 
 def test_local_estimate_is_the_minimum_norm_least_squares_solution():
@@ -151,7 +154,7 @@ def test_oneshot_estimates_in_the_models_dtype_from_float32_data():
     algo = OneShotClustering()
     algo.setup(glob, 3)
     opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=100)
-    ctx = ClientContext(net, 2, x32, y32, None, opt, F.mse_loss, make_generator(0, 2))
+    ctx = client_context(net, x32, y32, client=2, optimizer=opt, loss=F.mse_loss, generator=make_generator(0, 2))
     est = algo.client_update(ctx, glob, {}).upload["estimates"]
     assert est.dtype == torch.float64
     ref = np.linalg.lstsq(x32.double().numpy(), y32.double().numpy(), rcond=None)[0]

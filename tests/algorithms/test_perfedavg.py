@@ -10,10 +10,11 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import PerFedAvg
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer, loss_fn_for
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.functional_mlp import LR, MOM, NAMES, HeavyBall, close, rand_params, ref_grad, ref_loss
 from tests.helpers.linear_client import context, data, np_grad
 from tests.helpers.models import LinearRegressor
@@ -90,8 +91,8 @@ def test_perfedavg_client_update_matches_a_plain_torch_meta_loop(double_mlp_setu
     w0, alpha = rand_params(15), 0.05
     opt = ClientOptimizer(lr=LR, momentum=MOM, batch_size=100, weight_decay=0.01, decay_bias=False)
     net = ctx().net
-    client = ClientContext(
-        net, 0, x, y, None, opt, F.cross_entropy, torch.Generator().manual_seed(7), step_budget=budget
+    client = client_context(
+        net, x, y, optimizer=opt, loss=F.cross_entropy, generator=torch.Generator().manual_seed(7), step_budget=budget,
     )
     upd = PerFedAvg(inner_lr=alpha, local_epochs=2).client_update(client, w0, {})
     full = 2 * (n // 10 + (n % 10 > 8))
@@ -177,8 +178,9 @@ def test_client_update_skips_a_last_batch_without_target_and_reports_the_meta_lo
     w0 = torch.tensor([[0.3, -0.2]], dtype=torch.float64)
     alpha, beta = 0.4, 0.1
     opt = ClientOptimizer(lr=beta, momentum=0.9, batch_size=10)
-    ctx = ClientContext(
-        LinearRegressor(D, bias=False).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(2, "pfa")
+    ctx = client_context(
+        LinearRegressor(D, bias=False).double(), x, y, optimizer=opt, loss=loss_fn_for(None),
+        generator=make_generator(2, "pfa"),
     )
     alg = PerFedAvg(inner_lr=alpha, first_order=True, support=2, target=2)
     up = alg.client_update(ctx, {"fc.weight": w0}, {})

@@ -14,6 +14,7 @@ from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for, sta
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.round_references import (
     LR,
     MOMENTUM,
@@ -100,8 +101,9 @@ def data(n: int = N) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor
 
 def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
     opt = ClientOptimizer(lr=LR_2, momentum=MOM, batch_size=BS)
-    return ClientContext(
-        Tiny().double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "pfedme"), step_budget=budget
+    return client_context(
+        Tiny().double(), x, y, optimizer=opt, loss=loss_fn_for(None), generator=make_generator(0, "pfedme"),
+        step_budget=budget,
     )
 
 

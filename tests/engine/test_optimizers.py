@@ -22,12 +22,13 @@ from datamodules import DigitsDataModule, Dirichlet, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.callbacks import RoundCheckpoint
 from fl_lightning.cli import train_config
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for, state_template
+from fl_lightning.client import ClientOptimizer, loss_fn_for, state_template
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi
+from tests.helpers.clients import client_context
 from tests.helpers.training import fit, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,8 +133,9 @@ def contexts(net, sizes, optimizer, budgets=None, dtype=torch.float32):
         net, range(len(sizes)), xs, ys, None, optimizer, per_sample_loss_for(10), gens, None, 0, 5, budgets
     )
     seq = [
-        ClientContext(
-            net, k, xs[k], ys[k], None, optimizer, loss_fn_for(10), make_generator(5, "train", 0, k), None, 0, 5, b
+        client_context(
+            net, xs[k], ys[k], client=k, optimizer=optimizer, loss=loss_fn_for(10),
+            generator=make_generator(5, "train", 0, k), seed=5, step_budget=b,
         )
         for k, b in enumerate(budgets)
     ]

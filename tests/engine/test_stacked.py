@@ -34,6 +34,7 @@ from fl_lightning.engine.stacked import (
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.models.split import Concat, Mask, SplitModel
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 SGD_HYPER = {"weight_decay": 0.0, "momentum": 0, "dampening": 0, "nesterov": False, "maximize": False}
 
@@ -361,7 +362,9 @@ def test_clients_in_turn_equal_the_sequential_loop_bit_for_bit_with_penalty_data
     expanded = {n: v.expand(3, *v.shape) for n, v in glob.items()}
     out = vctx.sgd(expanded, list(glob), 2, Penalty(anchor_penalty, {"anchor": anchors}), lr=0.02, max_steps=4)
     for k, g in enumerate(generators(3)):
-        seq = ClientContext(net, k, xs[k], ys[k], None, opt, loss_fn_for(10), g, channels_last=True)
+        seq = client_context(
+            net, xs[k], ys[k], client=k, optimizer=opt, loss=loss_fn_for(10), generator=g, channels_last=True,
+        )
         ref = seq.sgd(glob, list(glob), 2, Penalty(anchor_penalty, {"anchor": anchors[k]}), lr=0.02, max_steps=4)
         for n in glob:
             assert_close_finite(out[n][k], ref[n], rtol=0, atol=0, msg=f"{n} client {k}")
@@ -409,7 +412,10 @@ def test_clients_in_turn_see_their_own_side_information(custom_gradient: bool) -
     expanded = {n: v.expand(2, *v.shape) for n, v in glob.items()}
     out = vctx.sgd(expanded, trained, 2, gradient=gradient_for(vctx))
     for k, g in enumerate(generators(2)):
-        seq = ClientContext(net, k, xs[k], ys[k], sides[k], opt, loss_fn_for(3), g, channels_last=True)
+        seq = client_context(
+            net, xs[k], ys[k], client=k, side=sides[k], optimizer=opt, loss=loss_fn_for(3), generator=g,
+            channels_last=True,
+        )
         ref = seq.sgd(glob, trained, 2, gradient=gradient_for(seq))
         for n in glob:
             assert_close_finite(out[n][k], ref[n], rtol=0, atol=0, msg=f"{n} client {k}")

@@ -31,6 +31,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import cluster_model_distance
 from fl_lightning.models import ClusteredLinear, LinearRepresentation, LowRankFactors
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.training import fit
 
 QUIET = ["--trainer.enable_checkpointing=false"]
@@ -233,10 +234,9 @@ def test_population_fedrep_exact_head_is_least_squares_on_b():
     algo = LinearFedRep(body_lr=0.3, gradient="population")
     algo.bind_ground_truth(dm.federated.extras)
     b = np.linalg.qr(np.random.default_rng(0).normal(size=(5, 2)))[0]
-    from fl_lightning.client import ClientContext, ClientOptimizer
 
     x, y = dm.federated.train.client(0)
-    ctx = ClientContext(LinearRepresentation(5, 2), 0, x, y, None, ClientOptimizer(), None, make_generator(0))
+    ctx = client_context(LinearRepresentation(5, 2), x, y)
     upd = algo.client_update(ctx, {"body.weight": torch.tensor(b.T)}, {"head.weight": torch.zeros(1, 2)})
     w = np.linalg.lstsq(b, theta, rcond=None)[0]
     assert_close_finite(upd.state["head.weight"].numpy().ravel(), w, rtol=1e-10, atol=0)

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
+from tests.helpers.clients import client_context
 
 D, N, LR = 2, 4, 0.3
 
@@ -32,7 +33,7 @@ def problem() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
 def context(x: Tensor, y: Tensor) -> ClientContext:
     net = SplitModel(nn.Linear(D, 1, bias=False), nn.Linear(1, 1, bias=False)).double()
     opt = ClientOptimizer(lr=LR, momentum=0.9, batch_size=8)
-    return ClientContext(net, 0, x, y, None, opt, half_mse, make_generator(0, "dr"))
+    return client_context(net, x, y, optimizer=opt, loss=half_mse, generator=make_generator(0, "dr"))
 
 
 def np_loss_grads(x: np.ndarray, y: np.ndarray, w: np.ndarray, h: float) -> tuple[float, np.ndarray, float]:

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models import DigitsMLP
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 
 LR, MOMENTUM = 0.05, 0.5
 
@@ -24,7 +25,7 @@ def client_data(n=24, seed=0):
 
 def context(net, x, y, loss=F.cross_entropy):
     opt = ClientOptimizer(lr=LR, momentum=MOMENTUM, batch_size=10_000)
-    return ClientContext(net, 3, x, y, None, opt, loss, make_generator(0, "t", 0, 3))
+    return client_context(net, x, y, client=3, optimizer=opt, loss=loss, generator=make_generator(0, "t", 0, 3))
 
 
 def params_of(net):

@@ -16,6 +16,7 @@ from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.training import make_trainer
 
 NAMES = ["body.0.weight", "body.0.bias", "head.weight", "head.bias"]
@@ -70,8 +71,9 @@ def double_mlp_setup():
 
     def ctx(round_idx: int = 0, lr: float = LR, budget: float = 1.0, **settings) -> ClientContext:
         opt = ClientOptimizer(**{"lr": lr, "momentum": MOM, "batch_size": 100, **settings})  # full batch
-        return ClientContext(
-            net, 0, x, y, None, opt, F.cross_entropy, torch.Generator().manual_seed(2), None, round_idx, 0, budget
+        return client_context(
+            net, x, y, optimizer=opt, loss=F.cross_entropy, generator=torch.Generator().manual_seed(2),
+            round_idx=round_idx, step_budget=budget,
         )
 
     return ctx, x, y

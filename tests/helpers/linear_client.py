@@ -9,6 +9,7 @@ from torch import Tensor
 
 from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
 from fl_lightning.engine.rounds import make_generator
+from tests.helpers.clients import client_context
 from tests.helpers.models import LinearRegressor
 
 D = 3
@@ -27,8 +28,9 @@ def data(n: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
 
 def context(x: Tensor, y: Tensor, lr: float = 0.1, bs: int = 10) -> ClientContext:
     opt = ClientOptimizer(lr=lr, momentum=0.5, batch_size=bs)
-    return ClientContext(
-        LinearRegressor(D, bias=True).double(), 0, x, y, None, opt, loss_fn_for(None), make_generator(0, "mut2")
+    return client_context(
+        LinearRegressor(D, bias=True).double(), x, y, optimizer=opt, loss=loss_fn_for(None),
+        generator=make_generator(0, "mut2"),
     )
 
 

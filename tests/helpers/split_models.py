@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.models import CifarCNN
 from fl_lightning.models.split import SplitModel
+from tests.helpers.clients import client_context
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +101,9 @@ def client():
 
     def ctx(momentum: float = MOMENTUM) -> ClientContext:
         opt = ClientOptimizer(lr=LR, momentum=momentum, weight_decay=0.0, batch_size=100)  # full batch
-        return ClientContext(net, 0, x, y, None, opt, F.cross_entropy, torch.Generator().manual_seed(2))
+        return client_context(
+            net, x, y, optimizer=opt, loss=F.cross_entropy, generator=torch.Generator().manual_seed(2),
+        )
 
     return ctx, x, y
 

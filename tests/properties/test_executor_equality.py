@@ -26,12 +26,13 @@ from fl_lightning.algorithms import (
     PerFedAvg,
 )
 from fl_lightning.cli import train_config
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer, loss_fn_for
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.heavy_ball_mlp import METHODS
 from tests.helpers.round_references import DIGITS
 from tests.helpers.training import fit
@@ -151,10 +152,11 @@ def contexts(net, sizes, budgets=None, batch_size=7, augment=None, loop=None, ro
         loop_over_clients=loop,
     )  # fmt: skip
     seq = [
-        ClientContext(
-            net, k, xs[k], ys[k], None, opt, loss_fn_for(10), make_generator(5, "train", round_idx, k), augment,
-            round_idx, 5, b,
-        )  # fmt: skip
+        client_context(
+            net, xs[k], ys[k], client=k, optimizer=opt, loss=loss_fn_for(10),
+            generator=make_generator(5, "train", round_idx, k), augment=augment, round_idx=round_idx, seed=5,
+            step_budget=b,
+        )
         for k, b in enumerate(budgets)
     ]
     return vctx, seq
@@ -345,7 +347,9 @@ def test_lstm_falls_back_to_clients_in_turn_logged_once_with_the_same_results(na
     assert caplog.text.count("recurrent layers (LSTM) have no batched form") == 1
     assert vctx.feature_passes == (2 if name == "fedrep" else 0)  # one per round's head phase
     for k in range(3):
-        seq = ClientContext(net, k, xs[k], ys[k], None, opt, loss_fn_for(2), make_generator(1, k))
+        seq = client_context(
+            net, xs[k], ys[k], client=k, optimizer=opt, loss=loss_fn_for(2), generator=make_generator(1, k),
+        )
         ref = algorithm.client_update(seq, glob, states[k])
         for n in ref.upload:
             assert_close_finite(batched.upload[n][k], ref.upload[n], rtol=1e-5, atol=1e-5, msg=n)

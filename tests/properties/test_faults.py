@@ -14,6 +14,7 @@ from fl_lightning.engine.module import FederatedModule, TrainingDiverged
 from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import DigitsMLP
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
 from tests.helpers.functional_mlp import run_digits
 from tests.helpers.training import make_trainer
 
@@ -117,7 +118,7 @@ def test_round_without_survivors_leaves_the_global_model_unchanged(caplog):
 
 def test_straggler_stops_after_its_budget_of_local_steps():
     """A straggler with budget ½ of 2 epochs uploads exactly what 1 epoch gives (same data order)."""
-    from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+    from fl_lightning.client import ClientOptimizer, loss_fn_for
     from fl_lightning.engine.rounds import make_generator
 
     torch.manual_seed(0)
@@ -127,7 +128,9 @@ def test_straggler_stops_after_its_budget_of_local_steps():
 
     def ctx(budget):
         opt = ClientOptimizer(lr=0.05, batch_size=10)
-        return ClientContext(net, 0, x, y, None, opt, loss_fn_for(10), make_generator(1, 2), step_budget=budget)
+        return client_context(
+            net, x, y, optimizer=opt, loss=loss_fn_for(10), generator=make_generator(1, 2), step_budget=budget,
+        )
 
     straggler = FedAvg(local_epochs=2).client_update(ctx(0.5), glob, {})
     one_epoch = FedAvg(local_epochs=1).client_update(ctx(1.0), glob, {})
