@@ -21,6 +21,7 @@ from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
 from tests.helpers.cifar_data import cifar_dm
 from tests.helpers.data_fixtures import write_cifar10, write_femnist
+from tests.helpers.stand_ins import with_trainer
 
 
 def test_defaults_are_twenty_clients_and_a_tenth_of_them_per_round() -> None:
@@ -102,7 +103,7 @@ def test_test_clients_are_split_over_ranks() -> None:
     seen: list[int] = []
     for rank in range(world):
         dm = DigitsDataModule(num_clients=num_clients)
-        dm.trainer = SimpleNamespace(global_rank=rank, world_size=world, max_steps=1)
+        with_trainer(dm, global_rank=rank, world_size=world, max_steps=1)
         test, val = clients_of(dm.test_dataloader()), clients_of(dm.val_dataloader())
         assert test == [c for c in range(num_clients) if c % world == rank] == val
         seen += test

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import Tensor
@@ -11,6 +9,7 @@ from torch import Tensor
 from datamodules.base import FederatedDataModule
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.errors import ConfigError
+from tests.helpers.stand_ins import with_trainer
 
 
 def _split(n_rows: int = 5, y_float: bool = False) -> ClientSplit:
@@ -118,7 +117,7 @@ def test_evaluation_split_defaults_to_test() -> None:
 
 def _dm(seed: int, max_steps: int | None = 3) -> FederatedDataModule:
     dm = FederatedDataModule(num_clients=10, clients_per_round=3, seed=seed)
-    dm.trainer = SimpleNamespace(max_steps=max_steps)  # type: ignore[assignment]
+    with_trainer(dm, max_steps=max_steps)
     return dm
 
 

@@ -36,6 +36,7 @@ from fl_lightning.models.split import Concat, SplitModel
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import ranged_client_split as split
 from tests.helpers.digits_runs import digits
+from tests.helpers.stand_ins import with_trainer
 from tests.helpers.training import fit, make_trainer
 
 
@@ -527,24 +528,19 @@ def test_dist_b_needs_both_b_star_and_a_representation() -> None:
     assert plain.validation_metric_names() == REGRESSION_NAMES
 
 
-def attached(module: FederatedModule, **trainer: Any) -> FederatedModule:
-    module.trainer = SimpleNamespace(**trainer)
-    return module
-
-
 def test_monitoring_a_logged_key_is_accepted() -> None:
     module = make_module()
     module.fed = digits_fed()
     callbacks = [SimpleNamespace(monitor=k) for k in sorted(CLASSIFICATION_NAMES)]
     callbacks += [SimpleNamespace(monitor="train/loss"), SimpleNamespace(monitor=None), SimpleNamespace()]
-    attached(module, callbacks=callbacks)._check_monitored_keys()
+    with_trainer(module, callbacks=callbacks)._check_monitored_keys()
 
 
 @pytest.mark.parametrize("monitor", ["val/mse_mean", "val/nope"])
 def test_monitoring_a_val_key_that_is_never_logged_is_refused(monitor: str) -> None:
     module = make_module()
     module.fed = digits_fed()
-    attached(module, callbacks=[SimpleNamespace(monitor=monitor)])
+    with_trainer(module, callbacks=[SimpleNamespace(monitor=monitor)])
     with pytest.raises(ConfigError, match="which is never logged"):
         module._check_monitored_keys()
 
@@ -555,26 +551,26 @@ def fake_datamodule(fed: FederatedData) -> SimpleNamespace:
 
 
 def test_setup_without_a_datamodule_attribute_is_a_config_error() -> None:
-    module = attached(make_module(), precision="32-true")
+    module = with_trainer(make_module(), precision="32-true")
     with pytest.raises(ConfigError, match="needs a FederatedDataModule"):
         module.setup("fit")
 
 
 def test_setup_with_a_datamodule_that_is_not_federated_is_a_config_error() -> None:
-    module = attached(make_module(), datamodule=SimpleNamespace(), precision="32-true")
+    module = with_trainer(make_module(), datamodule=SimpleNamespace(), precision="32-true")
     with pytest.raises(ConfigError, match="needs a FederatedDataModule"):
         module.setup("fit")
 
 
 @pytest.mark.parametrize("precision", ["16", 16, "16-mixed"])
 def test_setup_refuses_fp16(precision: Any) -> None:
-    module = attached(make_module(), datamodule=fake_datamodule(digits_fed()), precision=precision)
+    module = with_trainer(make_module(), datamodule=fake_datamodule(digits_fed()), precision=precision)
     with pytest.raises(ConfigError, match="16-mixed is not supported"):
         module.setup("fit")
 
 
 def test_setup_schedules_validation_when_fitting_only() -> None:
-    fitting = attached(
+    fitting = with_trainer(
         make_module(eval_every=3),
         datamodule=fake_datamodule(digits_fed()),
         precision="32-true",
@@ -584,7 +580,7 @@ def test_setup_schedules_validation_when_fitting_only() -> None:
     fitting.setup("fit")
     assert (fitting.trainer.val_check_interval, fitting.trainer.check_val_every_n_epoch) == (3, None)
     assert fitting.fed is not None and fitting.bank is not None
-    validating = attached(
+    validating = with_trainer(
         make_module(eval_every=3),
         datamodule=fake_datamodule(digits_fed()),
         precision="32-true",
@@ -598,11 +594,11 @@ def test_setup_schedules_validation_when_fitting_only() -> None:
 
 def test_schedule_validation_accepts_every_epoch_and_refuses_other_epoch_counts() -> None:
     for ok in (None, 1):
-        module = attached(make_module(), val_check_interval=5, check_val_every_n_epoch=ok)
+        module = with_trainer(make_module(), val_check_interval=5, check_val_every_n_epoch=ok)
         module._schedule_validation()
         assert (module.trainer.val_check_interval, module.trainer.check_val_every_n_epoch) == (5, ok)
     for bad in (2, 0):
-        module = attached(make_module(), val_check_interval=5, check_val_every_n_epoch=bad)
+        module = with_trainer(make_module(), val_check_interval=5, check_val_every_n_epoch=bad)
         with pytest.raises(ConfigError, match="a run is one epoch of rounds"):
             module._schedule_validation()
 
@@ -620,7 +616,7 @@ def test_on_fit_start_moves_data_to_the_module_device_and_starts_the_clock() -> 
     module = make_module()
     module.fed = digits_fed()
     module.to(torch.device("meta"))  # stands in for an accelerator
-    attached(module, callbacks=[])
+    with_trainer(module, callbacks=[])
     before = time.perf_counter()
     module.on_fit_start()
     wall = module.wall_seconds()
@@ -632,19 +628,19 @@ def test_on_fit_start_moves_data_to_the_module_device_and_starts_the_clock() -> 
 def test_on_fit_start_refuses_a_monitored_key_never_logged() -> None:
     module = make_module()
     module.fed = digits_fed()
-    attached(module, callbacks=[SimpleNamespace(monitor="val/mse_mean")])
+    with_trainer(module, callbacks=[SimpleNamespace(monitor="val/mse_mean")])
     with pytest.raises(ConfigError, match="never logged"):
         module.on_fit_start()
 
 
 def test_last_rounds_force_validation_only_there() -> None:
-    module = attached(make_module(eval_last=2), max_steps=20, val_check_batch=5)
+    module = with_trainer(make_module(eval_last=2), max_steps=20, val_check_batch=5)
     batch = {"round": torch.tensor(3)}
     module.on_train_batch_start(batch, 0)
     assert module.trainer.val_check_batch == 5  # round 3 is not one of the last 2 of 20
     module.on_train_batch_start({"round": torch.tensor(18)}, 0)
     assert module.trainer.val_check_batch == 1
-    timed = attached(make_module(eval_last=2), max_steps=20, val_check_batch=None)
+    timed = with_trainer(make_module(eval_last=2), max_steps=20, val_check_batch=None)
     timed.on_train_batch_start({"round": torch.tensor(19)}, 0)
     assert timed.trainer.val_check_batch is None  # a time-based interval stays
 
@@ -714,7 +710,7 @@ def ending(
     module._wall_before = 3.5  # resumed: 3.5 s before, and this process never started its clock
     module.last_evaluation = last_evaluation(rounds - 1) if history else None
     logger = SimpleNamespace(log_metrics=Recorder())
-    module.trainer = SimpleNamespace(loggers=[logger])
+    with_trainer(module, loggers=[logger])
     stub = Recorder(dict(end or {}))
     module._end_evaluations = stub
     module.on_train_end()
@@ -800,7 +796,7 @@ def test_summary_leaves_out_a_stale_final_spread() -> None:
     module = make_module()
     module.fed, module.history, module.rounds_trained = digits_fed_2(), acc_history(), 8
     module.last_evaluation = last_evaluation(5)
-    module.trainer = SimpleNamespace(loggers=[])
+    with_trainer(module, loggers=[])
     module._end_evaluations = Recorder({})
     module.on_train_end()
     assert module.final_clients is module.last_evaluation
@@ -815,7 +811,7 @@ def test_summary_with_finetune_leads_with_the_finetuned_result() -> None:
     module.fed, module.history, module.rounds_trained = digits_fed_2(val=True), acc_history(), 6
     module.last_evaluation = last_evaluation(5)
     logger = SimpleNamespace(log_metrics=Recorder())
-    module.trainer = SimpleNamespace(loggers=[logger])
+    with_trainer(module, loggers=[logger])
     end = {"final/acc_ft": 0.875, "final/new_clients_acc": 0.625}
 
     def end_evaluations(round_idx: int, split: str) -> dict[str, float]:
@@ -854,7 +850,7 @@ def validating(fn: TrainerFn, sanity: bool = False, **kwargs: Any) -> tuple[Fede
     module.client_scores = PerClientScores(4)
     for c, correct in enumerate([1.0, 2.0, 0.0, 1.0]):
         module.client_scores.update(c, correct, 2, 0.5 * (c + 1))
-    module.trainer = SimpleNamespace(sanity_checking=sanity, state=SimpleNamespace(fn=fn))
+    with_trainer(module, sanity_checking=sanity, state=SimpleNamespace(fn=fn))
     log_dict, log = Recorder(), Recorder()
     module.log_dict, module.log = log_dict, log
     return module, log_dict, log
@@ -899,7 +895,7 @@ def test_validation_step_evaluates_the_last_trained_round_on_the_validation_spli
     module.fed = digits_fed_2(val=val)
     module.rounds_trained = 7
     module.client_scores = PerClientScores(4)
-    module.trainer = SimpleNamespace(sanity_checking=False)
+    with_trainer(module, sanity_checking=False)
     recorder = Recorder()
     monkeypatch.setattr(evaluation, "evaluate_clients", recorder)
     module.validation_step([1, 3], 0)
@@ -909,7 +905,7 @@ def test_validation_step_evaluates_the_last_trained_round_on_the_validation_spli
 def test_validation_step_skips_the_sanity_check(monkeypatch: pytest.MonkeyPatch) -> None:
     module = make_module()
     module.fed = digits_fed_2()
-    module.trainer = SimpleNamespace(sanity_checking=True)
+    with_trainer(module, sanity_checking=True)
     recorder = Recorder()
     monkeypatch.setattr(evaluation, "evaluate_clients", recorder)
     module.validation_step([0, 1], 0)
@@ -921,7 +917,7 @@ def test_validation_step_scores_each_client_on_its_val_rows() -> None:
     module = make_module()
     module.attach_data(digits_fed_2(val=True))
     module.rounds_trained = 3
-    module.trainer = SimpleNamespace(sanity_checking=False)
+    with_trainer(module, sanity_checking=False)
     module.validation_step([0, 2], 0)
     assert module.client_scores.total.tolist() == [1.0, 0.0, 1.0, 0.0]
 
@@ -1110,7 +1106,8 @@ def test_a_bank_entry_whose_row_shape_differs_is_a_shape_error() -> None:
 # ---- validates_after ---------------------------------------------------------------------------------------
 def validating_2(every: float | None, enabled: bool = True, eval_last: int = 0, max_steps: int = 10) -> FederatedModule:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), eval_last=eval_last)
-    module.trainer = SimpleNamespace(
+    with_trainer(
+        module,
         enable_validation=enabled,
         max_steps=max_steps,
         val_check_batch=every,
@@ -1188,7 +1185,7 @@ def test_save_checkpoint_outside_fit_or_before_any_round_has_no_mark() -> None:
 # ---- on_load_checkpoint ------------------------------------------------------------------------------------
 def test_load_checkpoint_restores_the_run_state(caplog: pytest.LogCaptureFixture) -> None:
     module = fedrep(4)
-    module.trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
+    with_trainer(module, state=SimpleNamespace(fn=TrainerFn.FITTING))
     history = [{"round": 1.0, "val/acc_mean": 0.25}]
     checkpoint = {
         "state_dict": module.state_dict(), "fl_identity": module.identity(), "fl_history": history,
@@ -1204,7 +1201,7 @@ def test_load_checkpoint_restores_the_run_state(caplog: pytest.LogCaptureFixture
 
 def test_load_checkpoint_defaults_for_an_old_checkpoint() -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))  # no bank yet: nothing to compare
-    module.trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
+    with_trainer(module, state=SimpleNamespace(fn=TrainerFn.FITTING))
     module.history, module.rounds_trained, module.upload_bytes, module._wall_before = [{"round": 0.0}], 3, 5.0, 6.0
     module.on_load_checkpoint({"fl_identity": {"algorithm": "x.Other", "network": "y.Net"}})
     assert module.history == [] and module.rounds_trained == 0
@@ -1213,7 +1210,7 @@ def test_load_checkpoint_defaults_for_an_old_checkpoint() -> None:
 
 def test_load_checkpoint_refuses_another_model() -> None:
     module = fedrep(4)
-    module.trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
+    with_trainer(module, state=SimpleNamespace(fn=TrainerFn.FITTING))
     with pytest.raises(ConfigError) as error:
         module.on_load_checkpoint({"state_dict": fedrep(5).state_dict(), "global_step": 3})
     assert str(error.value) == "the checkpoint has 5 clients, this config 4"
@@ -1226,7 +1223,7 @@ def test_load_checkpoint_warns_about_a_skipped_validation_when_fitting(
     caplog: pytest.LogCaptureFixture, skipped: int | None, fn: TrainerFn, warned: bool
 ) -> None:
     module = fedrep(4)
-    module.trainer = SimpleNamespace(state=SimpleNamespace(fn=fn))
+    with_trainer(module, state=SimpleNamespace(fn=fn))
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
         module.on_load_checkpoint({"state_dict": module.state_dict(), "fl_skips_validation_of": skipped})
     assert len(caplog.records) == int(warned)
