@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models.split import SplitModel
+from tests.helpers.functional_mlp import HeavyBall as TorchSGD
 from tests.helpers.training import make_trainer
 
 LR, MOM, FULL_BATCH = 0.05, 0.5, 10_000
@@ -22,18 +23,11 @@ LR, MOM, FULL_BATCH = 0.05, 0.5, 10_000
 TOL = dict(rtol=2e-4, atol=2e-5)  # float32 network; the engine sums uploads in float64
 
 
-class HeavyBall:
-    """torch.optim.SGD(momentum=μ) written out: b = g at the first step, b = μb + g after; p ← p − lr·b."""
+class HeavyBall(TorchSGD):
+    """torch.optim.SGD(momentum=μ) written out (no weight decay) at this module's lr and μ."""
 
     def __init__(self, lr: float = LR, mu: float = MOM) -> None:
-        self.lr, self.mu, self.buf = lr, mu, {}
-
-    def step(self, p: dict, g: dict) -> dict:
-        out = dict(p)
-        for n in g:
-            self.buf[n] = g[n] if n not in self.buf else self.mu * self.buf[n] + g[n]
-            out[n] = p[n] - self.lr * self.buf[n]
-        return out
+        super().__init__(lr, mu)
 
 
 def grads(loss: torch.Tensor, p: dict, names: list[str]) -> dict:
