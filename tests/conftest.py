@@ -1,4 +1,5 @@
-"""Shared helpers: small federated runs on the bundled digits and the synthetic linear data."""
+"""Fixtures for every test: one torch thread, W&B off, test-written CIFAR files, log handlers and the environment
+restored (the builders themselves live in ``tests/helpers/``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import logging
 import os
 import sys
 
-import lightning as L
 import pytest
 import torch
 
@@ -14,36 +14,10 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 torch.set_num_threads(1)
 
 
-def make_trainer(rounds: int, **kwargs) -> L.Trainer:
-    defaults = dict(
-        max_steps=rounds,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        num_sanity_val_steps=0,
-        val_check_interval=1,  # as train.py: validation (every client evaluates) after every round
-        check_val_every_n_epoch=None,
-        use_distributed_sampler=False,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
-
-
-def fit(module, datamodule, rounds: int, seed: int = 0, **trainer_kwargs):
-    """Seed, build, train for ``rounds`` rounds; returns the trained module."""
-    L.seed_everything(seed, verbose=False)
-    trainer = make_trainer(rounds, **trainer_kwargs)
-    trainer.fit(module, datamodule=datamodule)
-    return module
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _torchvision_reads_test_written_cifar():
-    """Test-written CIFAR files cannot carry the published md5 sums: see ``data_fixtures.skip_cifar_md5``."""
-    from data_fixtures import skip_cifar_md5
+    """Test-written CIFAR files cannot carry the published md5 sums: see ``helpers.data_fixtures.skip_cifar_md5``."""
+    from tests.helpers.data_fixtures import skip_cifar_md5
 
     with pytest.MonkeyPatch.context() as patch:
         skip_cifar_md5(patch)
@@ -69,3 +43,7 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# a fixture of test_metrics.py and engine/test_ledger.py
+from tests.helpers.split_models import fedper_run  # noqa: E402, F401

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import assert_close_finite, assert_params_close_finite
+
+from tests.helpers.asserts import assert_close_finite, assert_params_close_finite
 
 
 def test_plain_assert_allclose_accepts_nan_on_both_sides():

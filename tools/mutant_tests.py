@@ -2,11 +2,12 @@
 
 mutmut compiles every mutant into ``mutants/`` and picks the active one from the ``MUTANT_UNDER_TEST``
 environment variable. This script uses that switch directly: it copies ``tests/`` into ``mutants/tests`` (so a
-test written since the last ``mutmut run`` is there), runs the given pytest arguments once with no mutant (they
-must pass) and once per mutant, and prints ``killed`` or ``SURVIVED`` for each. It is safe beside a running
+test written or moved since the last ``mutmut run`` is there, and a moved one's stale copy is not), runs the given
+pytest arguments once with no mutant (they must pass) and once per mutant, and prints ``killed`` or ``SURVIVED``
+for each. It is safe beside a running
 ``mutmut run`` (it reads nothing mutmut writes); ``make mutation MUTANTS=NAME`` afterwards records the verdict.
 
-    python tools/mutant_tests.py NAME [NAME ...] -- tests/test_x.py [-k expr]
+    python tools/mutant_tests.py NAME [NAME ...] -- tests/engine/test_x.py [-k expr]
 
 Exit status: 0 when every named mutant was killed, 1 otherwise, 2 when the tests fail without a mutant.
 """
@@ -18,6 +19,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from mutation_run import drop_stale_tests  # tools/ is this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
@@ -40,6 +43,7 @@ def main(argv: list[str]) -> int:
     if not MUTANTS.is_dir():
         print("no mutants/ folder: run `make mutation` first", file=sys.stderr)
         return 2
+    drop_stale_tests(ROOT / "tests", MUTANTS / "tests")
     shutil.copytree(ROOT / "tests", MUTANTS / "tests", dirs_exist_ok=True)
     if run_tests("", pytest_args) != 0:
         print("the tests fail on the unmutated code; fix them first", file=sys.stderr)

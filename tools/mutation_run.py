@@ -10,6 +10,9 @@ runs mutmut unchanged, with every test; use it on named survivors to see whether
 ``--max-seconds S`` also caps the recorded duration of each function's kept tests at S seconds (the first test is
 always kept): without it a surviving mutant of the round code still costs its 20 tests, half a minute or more.
 The cap lives only in this process: mutmut's saved statistics (``mutants/mutmut-stats.json``) keep every test.
+mutmut copies ``tests/`` over ``mutants/tests`` without deleting, so a test file moved or removed since the last run
+would stay there (and fail to import); such stale copies are deleted first (mutmut drops their test names from its
+statistics by itself).
 
     python tools/mutation_run.py [--max-tests N] [--max-seconds S] [--max-children K] [MUTANT_NAME_OR_GLOB ...]
 """
@@ -17,8 +20,12 @@ The cap lives only in this process: mutmut's saved statistics (``mutants/mutmut-
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cap_tests(
@@ -54,6 +61,22 @@ def cap_tests(
     return cut
 
 
+def drop_stale_tests(tests: Path, copy: Path) -> list[Path]:
+    """Delete the files and folders under ``copy`` (a copy of ``tests``) that ``tests`` no longer has; returns them,
+    relative to ``copy``. ``__pycache__`` folders go with the sources they cached."""
+    if not copy.is_dir():
+        return []
+    stale = []
+    for path in sorted(copy.rglob("*"), key=lambda p: len(p.parts)):
+        rel = path.relative_to(copy)
+        if any(s in stale for s in rel.parents):
+            continue
+        if "__pycache__" in rel.parts or not (tests / rel).exists():
+            stale.append(rel)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return stale
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tests", type=int, default=20, help="tests per mutated function (0: all)")
@@ -64,6 +87,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("mutants", nargs="*", help="mutant names or globs (default: every mutant not yet tested)")
     args = parser.parse_args(argv)
 
+    stale = drop_stale_tests(ROOT / "tests", ROOT / "mutants" / "tests")
+    if stale:
+        print(f"    removed {len(stale)} stale copies from mutants/tests (moved or deleted since the last run)")
     import mutmut.__main__ as mutmut_main
     from mutmut.state import state
 

@@ -1,0 +1,75 @@
+"""FedAvgSteps (spec 004 §2.4) and L2GD's arguments (spec 000 §2.4): exactly τ local SGD steps against a numpy
+replay of the client's shuffle, the straggler cap, the reported loss, the defaults and the p ∈ (0, 1) check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fl_lightning.algorithms import FedAvgSteps
+from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import LinearRepresentation
+from tests.helpers.asserts import assert_close_finite
+from tests.helpers.clients import client_context
+
+D, K, N, BS, LR = 3, 2, 5, 2, 0.1
+
+
+def problem() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    glob = {
+        "body.weight": torch.randn(K, D, generator=g, dtype=torch.float64),
+        "head.weight": torch.randn(1, K, generator=g, dtype=torch.float64),
+    }
+    return glob, torch.randn(N, D, generator=g, dtype=torch.float64), torch.randn(N, generator=g, dtype=torch.float64)
+
+
+def context(x: torch.Tensor, y: torch.Tensor, budget: float = 1.0) -> ClientContext:
+    net = LinearRepresentation(D, K).double()
+    opt = ClientOptimizer(lr=LR, momentum=0.0, batch_size=BS)
+    return client_context(
+        net, x, y, optimizer=opt, loss=loss_fn_for(None), generator=make_generator(0, "fas", 0), step_budget=budget,
+    )
+
+
+def np_sgd(glob: dict[str, torch.Tensor], x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, ...]:
+    """Plain SGD on ½·mean((x Bᵀᵀ w − y)²) over the client's shuffled minibatches of BS (randperm per epoch from
+    its generator), stopped after ``steps`` steps; returns (Bᵀ, w, mean minibatch loss)."""
+    bt, w = glob["body.weight"].numpy().copy(), glob["head.weight"].numpy()[0].copy()
+    g, done, losses = make_generator(0, "fas", 0), 0, []
+    while done < steps:
+        perm = torch.randperm(N, generator=g).numpy()
+        for i in range(0, N, BS):
+            if done == steps:
+                break
+            xb, yb = x[perm[i : i + BS]], y[perm[i : i + BS]]
+            r = xb @ bt.T @ w - yb
+            losses.append(0.5 * np.mean(r**2))
+            gw, gbt = bt @ xb.T @ r / len(r), np.outer(w, xb.T @ r) / len(r)
+            bt, w = bt - LR * gbt, w - LR * gw
+            done += 1
+    return bt, w, float(np.mean(losses))
+
+
+@pytest.mark.parametrize(("budget", "steps"), [(1.0, 4), (0.5, 3)])
+def test_fedavg_steps_takes_exactly_tau_steps_or_the_straggler_cap(budget, steps):
+    """n = 5, B = 2: 3 steps per epoch, τ = 4 → 2 epochs started, stopped after 4 steps; a straggler at budget ½
+    may take ⌊½ · 2 epochs · 3⌋ = 3."""
+    glob, x, y = problem()
+    ctx = context(x, y, budget)
+    up = FedAvgSteps(local_steps=4).client_update(ctx, glob, {})
+    bt, w, loss = np_sgd(glob, x.numpy(), y.numpy(), steps)
+    assert int(ctx.steps_taken) == steps
+    assert_close_finite(up.upload["body.weight"], bt, rtol=1e-10, atol=1e-12)
+    assert_close_finite(up.upload["head.weight"], w[None], rtol=1e-10, atol=1e-12)
+    assert float(up.loss) == pytest.approx(loss, rel=1e-10)
+
+
+def test_fedavg_steps_default_is_one_epoch_of_500_samples_at_batch_10():
+    assert FedAvgSteps().local_steps == 50
+    FedAvgSteps(local_steps=1)
+    with pytest.raises(ConfigError):
+        FedAvgSteps(local_steps=0)

@@ -1,0 +1,493 @@
+"""train.py and ``fl_lightning/cli.py`` end to end: the quickstart, overrides, --print_config, resume, one run per run
+dir, the multi-GPU plumbing that can be checked without a GPU, and malformed configs that stop with one line and
+exit code 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from fl_lightning.cli import distributed_strategy, main, set_tf32
+from fl_lightning.cli import main as train_main
+from fl_lightning.engine.evaluation import ClientEvaluation
+from fl_lightning.experiment.wandb_files import offline_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+QUICK = ["--config", "configs/quickstart.yaml", "--trainer.enable_progress_bar", "false"]
+
+
+def train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_quickstart_prints_the_result_table(tmp_path):
+    out = train(*QUICK, "--trainer.max_steps", "3", "--run_dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "algorithm" in out.stdout and "FedRep" in out.stdout and "last10" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rounds"] == 3 and 0 <= summary["last10"] <= 1
+    assert (tmp_path / "metrics.csv").exists()
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "config.yaml").exists()
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [h["round"] for h in history] == [0, 1, 2] and history[-1]["val/acc_mean"] == summary["final"]
+
+
+@pytest.mark.slow
+def test_print_config_round_trips():
+    out = train(*QUICK, "--model.lr", "0.05", "--print_config")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lr: 0.05" in out.stdout and "fl_lightning.algorithms.FedRep" in out.stdout
+
+
+@pytest.mark.slow
+def test_resume_with_ckpt_path_last_continues_to_the_same_result(tmp_path):
+    full = train(*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "full"))
+    part = train(*QUICK, "--trainer.max_steps", "3", "--run_dir", str(tmp_path / "part"), "--checkpoint_every", "3")
+    assert full.returncode == 0 and part.returncode == 0, part.stderr[-2000:]
+    resumed = train(*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "part"), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = json.loads((tmp_path / "full" / "summary.json").read_text())
+    b = json.loads((tmp_path / "part" / "summary.json").read_text())
+    assert (a["final"], a["last10"], a["rounds"]) == (b["final"], b["last10"], b["rounds"])
+
+
+BAD_INPUTS = {
+    "unknown algorithm": (["--model.algorithm", "fl_lightning.algorithms.FedFoo"], "unknown class"),
+    "unknown short algorithm": (["--model.algorithm", "FedFoo"], "unknown class"),
+    "unknown dataset": (["--data", "datamodules.ImageNet42"], "unknown class"),
+    "too many clients per round": (["--data.init_args.clients_per_round", "21"], "more than data.num_clients"),
+    "unfillable shards": (
+        ["--data.init_args.num_clients", "200", "--data.init_args.partition.init_args.classes_per_client", "10"],
+        "too few to fill",
+    ),
+    "participation above 1": (["--data.init_args.participation", "1.5"], "participation"),
+    "negative lr": (["--model.lr", "-0.1"], "lr must be positive"),
+    "personal prefix matches nothing": (["--model.algorithm.init_args.personal", "[classifier.]"], "matches no"),
+    "unknown key": (["--model.learning_rate", "0.1"], "learning_rate"),
+    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gives_a_one_line_error(case, monkeypatch, capsys, tmp_path):
+    """In this process (``fl_lightning.cli.main``, what train.py calls); the real entry point is checked below. The
+    run dir is a fresh one (a finished ``runs/quickstart`` from ``make train`` would be refused first)."""
+    from fl_lightning.cli import main
+
+    args, expected = BAD_INPUTS[case]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    code = main([*QUICK, "--trainer.max_steps", "1", "--run_dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_train_py_itself_gives_the_one_line_error_and_exit_code_2():
+    args, expected = BAD_INPUTS["unknown key"]
+    out = train(*QUICK, "--trainer.max_steps", "1", *args)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_directory_is_written(tmp_path):
+    env_mode = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *QUICK, "--trainer.max_steps", "2", "--run_dir", str(tmp_path)],
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.environ["WANDB_MODE"] = env_mode or "disabled"
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+QUICK_2 = ["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.enable_progress_bar", "false"]
+
+
+def train_2(run_dir: Path, *args: str) -> int:
+    """``train.py`` in this process (WANDB_MODE from the environment: disabled unless a test sets it)."""
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return train_main([*QUICK_2, "--run_dir", str(run_dir), *args])
+    finally:
+        sys.argv = argv
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def per_step(path: Path, key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in csv_rows(path) if r.get(key)}
+
+
+def test_client_spread_matches_an_independent_computation():
+    rng = np.random.default_rng(0)
+    acc = rng.uniform(0.2, 1.0, size=37)
+    loss = rng.uniform(0.1, 3.0, size=37)
+    samples = rng.integers(1, 50, size=37).astype(float)
+    samples[[3, 11, 20]] = 0  # clients without test data do not count
+    result = ClientEvaluation(5, torch.tensor(acc), torch.tensor(loss), 0.0, 0.0, 0.0, torch.tensor(samples))
+    have = samples > 0
+    a, l_ = acc[have], loss[have]
+    k = math.ceil(0.1 * have.sum())  # 34 clients with data -> the worst 4
+    assert k == 4
+    spread = result.spread()
+    assert spread["acc_std"] == pytest.approx(np.sqrt(np.mean((a - a.mean()) ** 2)), abs=1e-12)
+    assert spread["acc_worst10"] == pytest.approx(np.sort(a)[:k].mean(), abs=1e-12)
+    assert spread["acc_min"] == pytest.approx(a.min(), abs=1e-12)
+    reg = result.spread(regression=True)
+    assert reg["mse_std"] == pytest.approx(l_.std(), abs=1e-12)
+    assert reg["mse_worst10"] == pytest.approx(np.sort(l_)[-k:].mean(), abs=1e-12)
+    assert reg["mse_max"] == pytest.approx(l_.max(), abs=1e-12)
+    few = ClientEvaluation(0, torch.tensor([0.5, 0.9]), torch.zeros(2), 0.0, 0.0, 0.0, torch.tensor([3.0, 4.0]))
+    assert few.spread()["acc_worst10"] == 0.5  # at least one client
+
+
+def test_logged_spread_and_final_figures_match_the_per_client_file(tmp_path):
+    """The last evaluation's val/acc_std, val/acc_worst10, val/acc_min in metrics.csv and the summary's final_*
+    equal numpy over clients.csv (the final per-client accuracies)."""
+    assert train_2(tmp_path, "--trainer.max_steps", "3") == 0
+    clients = csv_rows(tmp_path / "clients.csv")
+    assert [int(c["client"]) for c in clients] == list(range(20))
+    acc = np.array([float(c["accuracy"]) for c in clients if int(c["samples"]) > 0])
+    worst = np.sort(acc)[: math.ceil(0.1 * len(acc))].mean()
+    last = max(per_step(tmp_path / "metrics.csv", "val/acc_mean"))
+    logged = {k: per_step(tmp_path / "metrics.csv", f"val/{k}")[last] for k in ("acc_mean", "acc_std", "acc_worst10",
+                                                                               "acc_min")}  # fmt: skip
+    assert logged["acc_mean"] == pytest.approx(acc.mean(), abs=1e-6)  # float32 in the CSV
+    assert logged["acc_std"] == pytest.approx(acc.std(), abs=1e-6)
+    assert logged["acc_worst10"] == pytest.approx(worst, abs=1e-6)
+    assert logged["acc_min"] == pytest.approx(acc.min(), abs=1e-6)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_std"] == pytest.approx(acc.std(), abs=1e-12)
+    assert summary["final_worst10"] == pytest.approx(worst, abs=1e-12)
+    assert summary["final_min"] == pytest.approx(acc.min(), abs=1e-12)
+    history = [h["val/acc_mean"] for h in json.loads((tmp_path / "history.json").read_text())]
+    assert summary["best"] == max(history) and summary["rounds"] == 3
+    uploads = per_step(tmp_path / "metrics.csv", "comm/upload_bytes")
+    assert summary["upload_bytes"] == pytest.approx(sum(uploads.values()))
+
+
+def test_a_run_dir_holds_one_run(tmp_path, capsys):
+    assert train_2(tmp_path, "--trainer.max_steps", "2") == 0
+    summary = (tmp_path / "summary.json").read_text()
+    stamp = (tmp_path / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+
+    assert train_2(tmp_path, "--trainer.max_steps", "2") == 2  # a second run into the same dir
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ckpt_path last" in err[0] and "--overwrite" in err[0] and str(tmp_path) in err[0]
+
+    assert train_2(tmp_path, "--trainer.max_steps", "2", "--ckpt_path", "last") == 0  # resuming a finished run
+    assert "nothing to resume" in capsys.readouterr().out
+    assert train_2(tmp_path, "--trainer.max_steps", "2", "--trainer.fast_dev_run", "true") == 0
+    assert (tmp_path / "summary.json").read_text() == summary  # neither shrinks nor overwrites it
+    assert (tmp_path / "summary.json").stat().st_mtime_ns == stamp
+    assert len(csv_rows(tmp_path / "metrics.csv")) > 0
+
+    assert train_2(tmp_path, "--trainer.max_steps", "3", "--overwrite", "true") == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds"] == 3
+    assert sorted(per_step(tmp_path / "metrics.csv", "val/acc_mean")) == [0, 1, 2]
+
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "metrics.csv").write_text("step\n0\n")  # an unfinished run
+    assert train_2(other, "--trainer.max_steps", "2") == 2
+    assert "holds an unfinished run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path):
+    rounds = ["--trainer.max_steps", "12", "--checkpoint_every", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    victim_dir = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "train.py"), *QUICK_2, *rounds, "--run_dir", str(victim_dir)]
+    victim = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while not (victim_dir / "checkpoints" / "round00004.ckpt").exists():
+            assert victim.poll() is None, "the run finished before it could be killed"
+            assert time.time() < deadline
+            time.sleep(0.02)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    assert not (victim_dir / "summary.json").exists()
+    resumed = subprocess.run([*cmd, "--ckpt_path", "last"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    deadline = time.monotonic() + 60
+    while not (runs := offline_runs(victim_dir))[-1].exited and time.monotonic() < deadline:
+        time.sleep(0.1)  # W&B's service may still be writing the resumed run's file
+    # one W&B run, written by two processes (W&B loses what the killed process had not flushed yet; the
+    # resumed process logs every round it recomputes, metrics.csv keeps them all)
+    assert len(runs) == 2 and len({r.id for r in runs}) == 1
+    assert runs[-1].id == (victim_dir / "wandb_id").read_text().strip() and runs[-1].name == "killed"
+    assert [row["trainer/global_step"] for row in runs[-1].history if "val/acc_mean" in row][-1] == 11
+
+    full = tmp_path / "full"
+    assert train_2(full, *rounds) == 0  # the same run, never interrupted (W&B disabled)
+    for key in ("val/acc_mean", "val/acc_std", "train/loss"):
+        got, want = per_step(victim_dir / "metrics.csv", key), per_step(full / "metrics.csv", key)
+        assert sorted(got) == list(range(12)) and got == pytest.approx(want, abs=1e-6), key
+    steps = [int(r["step"]) for r in csv_rows(victim_dir / "metrics.csv") if r.get("val/acc_mean")]
+    assert steps == list(range(12))  # every round once: the rows logged after the checkpoint were replaced
+    a = json.loads((victim_dir / "summary.json").read_text())
+    b = json.loads((full / "summary.json").read_text())
+    assert (a["final"], a["last10"], a["rounds"], a["upload_bytes"]) == (b["final"], b["last10"], b["rounds"],
+                                                                          b["upload_bytes"])  # fmt: skip
+
+
+def test_wandb_gets_histograms_the_client_table_and_the_summary(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert train_2(tmp_path, "--trainer.max_steps", "5", "--wandb.histogram_every", "2") == 0
+    capsys.readouterr()
+    (run,) = offline_runs(tmp_path, wait_s=60)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {k[len("summary/"):]: v for k, v in run.summary.items() if k.startswith("summary/")} == summary
+    steps = [row["trainer/global_step"] for row in run.history if "val/acc_clients/values" in row]
+    assert len(steps) == 3  # evaluations 2 and 4, and the last round
+    histogram = next(row for row in run.history if "val/acc_clients/values" in row)
+    assert sum(histogram["val/acc_clients/values"]) == 20  # one entry per client with test data
+    table = json.loads((run.files[0].parent / "files" / run.summary["clients/final"]["path"]).read_text())
+    assert table["columns"] == ["client", "samples", "accuracy", "loss"]
+    clients = csv_rows(tmp_path / "clients.csv")
+    assert [[int(r[0]), int(r[1]), r[2]] for r in table["data"]] == [
+        [int(c["client"]), int(c["samples"]), pytest.approx(float(c["accuracy"]))] for c in clients
+    ]
+    assert run.summary["val/acc_min"] == pytest.approx(summary["final_min"], abs=1e-6)
+
+
+def test_a_logger_from_the_config_gets_the_full_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
+              "init_args": {"save_dir": str(tmp_path / "mine"), "project": "mine", "group": "g"}}  # fmt: skip
+    assert train_2(tmp_path / "run", "--trainer.max_steps", "2", "--trainer.logger", json.dumps(logger)) == 0
+    capsys.readouterr()
+    (run,) = offline_runs(tmp_path / "mine", wait_s=60)
+    assert run.project == "mine" and run.group == "g"
+    assert run.config["data"]["class_path"] == "datamodules.DigitsDataModule"
+    assert run.config["model"]["algorithm"]["class_path"] == "fl_lightning.algorithms.FedRep"
+    assert run.config["trainer"]["max_steps"] == 2
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_the_cli_builds_ddp_without_the_per_forward_buffer_broadcast():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = distributed_strategy({"strategy": "ddp"})["strategy"]
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_kwargs["broadcast_buffers"] is False
+    assert distributed_strategy({"strategy": "auto"}) == {} and distributed_strategy({}) == {}
+
+
+@pytest.fixture
+def restore_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_one_tf32_policy_switches_cuda_matmuls_and_convolutions_together(restore_tf32):
+    cpu = torch.backends.mkldnn.matmul.fp32_precision
+    set_tf32(False)
+    # the legacy flags, not torch.get_float32_matmul_precision(): that getter raises once any earlier code in the
+    # process has used the per-backend fp32_precision API (e.g. a second in-process pytest run under mutmut)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    set_tf32(True)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert torch.backends.mkldnn.matmul.fp32_precision == cpu  # CPU math untouched
+
+
+def test_train_py_and_the_experiment_runner_apply_the_policy_from_the_config(restore_tf32, tmp_path, monkeypatch):
+    """Both go through ``cli.run``; ``--tf32`` is part of the run's config (and so of its saved config.yaml)."""
+    from fl_lightning import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "set_tf32", lambda enabled: seen.append(enabled))
+    for value in ("false", "true"):
+        cli.train_config(
+            ["configs/quickstart.yaml"],
+            ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+             "--model.eval_last=0", "--model.eval_every=100", f"--tf32={value}"],
+            run_dir=tmp_path / value,
+        )  # fmt: skip
+    assert seen == [False, True]
+
+
+@pytest.mark.parametrize("name", ["gpu", "multi_gpu", "slurm"])
+def test_gpu_trainer_configs_are_deterministic(name):
+    trainer = yaml.safe_load((CONFIGS / "trainer" / f"{name}.yaml").read_text())["trainer"]
+    assert trainer["deterministic"] == "warn" and trainer["benchmark"] is False
+
+
+def test_table1_configs_evaluate_every_10_rounds_and_the_last_10():
+    columns = sorted((CONFIGS / "table1").glob("*.yaml"))
+    assert len(columns) == 7
+    for path in columns:
+        cfg = yaml.safe_load(path.read_text())
+        assert cfg["trainer"]["val_check_interval"] == 10 and cfg["model"]["eval_last"] == 10, path.name
+
+
+QUICK_3 = str(ROOT / "configs/quickstart.yaml")
+
+
+def yaml_file(tmp_path: Path, text: str, name: str = "bad.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# (extra CLI args or a callable(tmp_path) -> args, substring expected in the error line)
+CASES: dict[str, tuple] = {
+    "unknown algorithm": (["--model.algorithm", "fl_lightning.algorithms.FedFoo"], "unknown class"),
+    "unknown algorithm module": (["--model.algorithm", "nope.FedAvg"], "unknown class"),
+    "unknown network": (["--model.network", "fl_lightning.models.ResNet999"], "unknown class"),
+    "unknown dataset": (["--data", "datamodules.ImageNet42"], "unknown class"),
+    "unknown partition": (["--data.init_args.partition", "datamodules.Zipf"], "unknown class"),
+    "unknown model key": (["--model.learning_rate", "0.1"], "learning_rate"),
+    "unknown data key": (["--data.init_args.num_users", "5"], "num_users"),
+    "unknown top-level key": (["--foo", "1"], "foo"),
+    "lr not a number": (["--model.lr", "fast"], "model.lr"),
+    "negative lr": (["--model.lr", "-0.1"], "lr must be positive"),
+    "zero lr": (["--model.lr", "0"], "lr must be positive"),
+    "zero batch size": (["--model.batch_size", "0"], "batch_size must be positive"),
+    "batch size not an int": (["--model.batch_size", "2.5"], "batch_size"),
+    "zero eval_every": (["--model.eval_every", "0"], "eval_every must be positive"),
+    "negative momentum": (["--model.momentum", "-1"], "must be ≥ 0"),
+    "aggregation not a choice": (["--model.aggregation", "median"], "aggregation"),
+    "dropout above 1": (["--model.client_dropout", "1.5"], "probability"),
+    "straggler budget zero": (["--model.straggler_budget", "0"], "straggler_budget"),
+    "zero clients": (["--data.init_args.num_clients", "0"], "num_clients must be ≥ 1"),
+    "participation above 1": (["--data.init_args.participation", "1.5"], "participation must be in (0, 1]"),
+    "participation zero": (["--data.init_args.participation", "0"], "participation must be in (0, 1]"),
+    "zero clients per round": (["--data.init_args.clients_per_round", "0"], "clients_per_round must be ≥ 1"),
+    "more clients per round than clients": (["--data.init_args.clients_per_round", "21"], "more than data.num_clients"),
+    "shards cannot be filled": (
+        ["--data.init_args.num_clients", "200", "--data.init_args.partition.init_args.classes_per_client", "10"],
+        "too few to fill",
+    ),
+    "shards uneven": (["--data.init_args.num_clients", "7"], "do not divide evenly"),
+    "more classes per client than classes": (
+        ["--data.init_args.partition.init_args.classes_per_client", "11"],
+        "only 10",
+    ),
+    "zero classes per client": (["--data.init_args.partition.init_args.classes_per_client", "0"], "must be ≥ 1"),
+    "dirichlet alpha zero": (
+        ["--data.init_args.partition", "datamodules.Dirichlet", "--data.init_args.partition.init_args.alpha", "0"],
+        "alpha must be positive",
+    ),
+    "unknown client optimizer": (["--model.client_optimizer", "torch.optim.Adamm"], "unknown class 'Adamm'"),
+    "client optimizer wrong argument": (
+        ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.init_args.lrr", "0.1"],
+        "model.client_optimizer: Option 'lrr' is not accepted",
+    ),
+    "client optimizer bad value": (
+        ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr", "-1"],
+        "Adam cannot be used: Invalid learning rate",
+    ),
+    "client optimizer needs a closure": (["--model.client_optimizer", "torch.optim.LBFGS"], "LBFGS cannot be used"),
+    "client state not elementwise": (
+        ["--model.client_optimizer", "torch.optim.Adafactor", "--model.keep_client_optimizer_state", "true"],
+        "not elementwise",
+    ),
+    "unknown lr schedule": (["--model.client_lr_schedule", "torch.optim.lr_scheduler.StepLRR"], "unknown class"),
+    "lr schedule missing argument": (
+        ["--model.client_lr_schedule", "torch.optim.lr_scheduler.StepLR"],
+        "model.client_lr_schedule: the following arguments are required: step_size",
+    ),
+    "lr schedule needs a metric": (
+        ["--model.client_lr_schedule", "torch.optim.lr_scheduler.ReduceLROnPlateau"],
+        "needs a metric",
+    ),
+    "unknown server optimizer": (
+        ["--model.server_optimizer", "fl_lightning.server_optimizers.FedFoo"],
+        "model.server_optimizer: unknown class 'FedFoo'",
+    ),
+    "server optimizer bad tau": (
+        ["--model.server_optimizer", "fl_lightning.server_optimizers.FedYogi", "--model.server_optimizer.tau", "0"],
+        "tau (τ) must be positive",
+    ),
+    "personal prefix matches nothing": (["--model.algorithm.init_args.personal", "[classifier.]"], "matches no"),
+    "zero rounds": (["--trainer.max_steps", "0"], "max_steps"),
+    "checkpoint_every zero": (["--checkpoint_every", "0"], "checkpoint_every"),
+    "missing config file": (lambda tmp: ["--config", str(tmp / "nope.yaml")], "nope.yaml"),
+    "yaml syntax error": (lambda tmp: ["--config", yaml_file(tmp, "model: [unclosed\n")], "bad.yaml"),
+    "yaml wrong type": (lambda tmp: ["--config", yaml_file(tmp, "model:\n  lr: [1, 2]\n")], "model.lr"),
+    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
+    "resume file missing": (["--ckpt_path", "/nonexistent/x.ckpt"], "does not exist"),
+    "corrupt checkpoint file": (
+        lambda tmp: ["--ckpt_path", yaml_file(tmp, "not a zip", "broken.ckpt")],
+        "truncated or corrupt",
+    ),
+    "synthetic rank above dim": (
+        [
+            "--data",
+            "datamodules.SyntheticLinearDataModule",
+            "--data.init_args.dim",
+            "2",
+            "--data.init_args.rank",
+            "3",
+        ],
+        "rank",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_malformed_input_stops_with_one_line(case, tmp_path, capsys):
+    args, expected = CASES[case]
+    args = args(tmp_path) if callable(args) else args
+    base = ["--config", QUICK_3, "--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false"]
+    base += ["--run_dir", str(tmp_path / "run")] if "--run_dir" not in args else []
+    code = main([*base, *args] if args[:1] != ["--config"] else [*args, *base[2:]])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2, err[-2000:]
+    assert len(errors) == 1 and expected in errors[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_there_are_at_least_30_cases():
+    assert len(CASES) >= 30

@@ -1,0 +1,531 @@
+"""``fl_lightning/engine/aggregation.py``: uploads collected and summed (on one process and over two real ranks),
+the weighted mean update, the server step, client assignment to ranks and the gathering of state rows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor, nn
+
+import fl_lightning
+from datamodules import DigitsDataModule, Shards
+from fl_lightning.algorithms import L2GD, FedAvg, FedMTL
+from fl_lightning.algorithms.base import ClientUpdate
+from fl_lightning.engine.aggregation import CohortSums, RoundStats, add_delta, collect, gather_rows, server_step
+from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import DigitsMLP
+from tests.helpers.asserts import assert_close_finite
+from tests.helpers.functional_mlp import run_digits
+from tests.helpers.training import fit, make_trainer
+
+
+@pytest.mark.parametrize("algorithm", [L2GD, FedMTL])
+def test_methods_that_keep_an_exact_mean_refuse_weighted_aggregation(algorithm):
+    with pytest.raises(ConfigError, match="needs model.aggregation: uniform"):
+        run_digits(algorithm(), aggregation="num_samples")
+
+
+def test_aggregation_weights_uniform_vs_num_samples():
+    """One round of FedAvg: the new global model is the (weighted) mean of the clients' models."""
+    from datamodules import Dirichlet
+
+    for aggregation in ("uniform", "num_samples"):
+        L.seed_everything(0, verbose=False)
+        dm = DigitsDataModule(num_clients=6, partition=Dirichlet(0.5), clients_per_round=3, seed=0)
+        module = FederatedModule(FedAvg(1), DigitsMLP(), aggregation=aggregation, eval_every=100)
+        init = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+        uploads = []
+        original_attach = module.attach_data
+
+        def attach_and_observe(fed, module=module, original_attach=original_attach, uploads=uploads):
+            original_attach(fed)
+            module.ledger.observers.append(
+                lambda r, cid, t: uploads.append((cid, {k: v.clone() for k, v in t.items()}))
+            )
+
+        module.attach_data = attach_and_observe
+        make_trainer(1).fit(module, datamodule=dm)
+        sizes = dm.federated.train.sizes
+        w = torch.tensor([1.0 if aggregation == "uniform" else float(sizes[c]) for c, _ in uploads])
+        for n, p in module.net.named_parameters():
+            expected = init[n] + sum(wi * (u[n] - init[n]) for wi, (_, u) in zip(w, uploads)) / w.sum()
+            assert_close_finite(p.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_buffers_are_averaged_including_the_integer_counter():
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from fl_lightning.models.split import SplitModel
+
+    class BNNet(SplitModel):
+        def __init__(self):
+            body = OrderedDict(
+                conv=nn.Conv2d(1, 4, 3, padding=1), bn=nn.BatchNorm2d(4), relu=nn.ReLU(), flat=nn.Flatten()
+            )
+            super().__init__(nn.Sequential(body), nn.Linear(256, 10))
+
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=10, partition=Shards(2), clients_per_round=3, seed=0)
+    module = FederatedModule(FedAvg(1), BNNet(), aggregation="uniform", eval_every=100)
+    uploads = []
+    original_attach = module.attach_data
+
+    def attach_and_observe(fed):
+        original_attach(fed)
+        module.ledger.observers.append(lambda r, c, t: uploads.append({k: v.clone() for k, v in t.items()}))
+
+    module.attach_data = attach_and_observe
+    fit(module, dm, rounds=1)
+    mean = torch.stack([u["body.bn.running_mean"] for u in uploads]).mean(0)
+    assert_close_finite(module.net.body.bn.running_mean, mean)
+    counts = [int(u["body.bn.num_batches_tracked"]) for u in uploads]
+    assert module.net.body.bn.num_batches_tracked.dtype == torch.long
+    assert int(module.net.body.bn.num_batches_tracked) == round(sum(counts) / len(counts))
+
+
+class ThreadAllGather:
+    """``all_gather`` for ``world`` threads: each rank's tensor, stacked in rank order ``[world, ...]``."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.slots, self.barrier = world, {}, threading.Barrier(world, timeout=30)
+
+    def for_rank(self, rank: int):
+        outer = self
+
+        class Rank:
+            world_size = outer.world
+
+            def all_gather(self, t):
+                outer.slots.setdefault(id(t.dtype), [None] * outer.world)[rank] = t.clone()
+                outer.barrier.wait()
+                out = torch.stack(outer.slots[id(t.dtype)])
+                outer.barrier.wait()
+                return out
+
+        return Rank()
+
+
+def run_ranks(rows_by_rank, layout):
+    world = len(rows_by_rank)
+    gather, results = ThreadAllGather(world), [None] * world
+
+    def work(r):
+        try:
+            results[r] = gather_rows(gather.for_rank(r), rows_by_rank[r], layout)
+        except BaseException as e:  # reported by the test thread below
+            results[r] = e
+            gather.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def test_every_rank_gets_all_rows_in_rank_order_whatever_the_dtypes():
+    layout = [[0, 2, 3], [1]]  # rank 0 holds cohort positions 0, 2, 3; rank 1 holds position 1
+    g = torch.Generator().manual_seed(0)
+    # three float32 tensors of different shapes travel in one all-gather; int64 and float64 in their own
+    rank0 = {"head.w": torch.randn(3, 2, 4, generator=g), "head.b": torch.randn(3, 5, generator=g),
+             "v.c": torch.randn(3, 3, generator=g),
+             "steps": torch.tensor([5, 6, 7]), "v.b": torch.randn(3, 2, generator=g, dtype=torch.float64)}  # fmt: skip
+    rank1 = {"head.w": torch.randn(1, 2, 4, generator=g), "head.b": torch.randn(1, 5, generator=g),
+             "v.c": torch.randn(1, 3, generator=g),
+             "steps": torch.tensor([9]), "v.b": torch.randn(1, 2, generator=g, dtype=torch.float64)}  # fmt: skip
+    results = run_ranks([rank0, rank1], layout)
+    for rows, positions in results:
+        assert positions == [0, 2, 3, 1]
+        assert set(rows) == {"head.w", "head.b", "v.c", "steps", "v.b"}
+        for n in rows:
+            expected = torch.cat([rank0[n], rank1[n]])
+            assert rows[n].dtype == expected.dtype and rows[n].shape == expected.shape
+            assert torch.equal(rows[n], expected), n
+
+
+def test_no_rows_or_no_clients_gather_nothing():
+    class NoCollective:
+        def all_gather(self, t):
+            raise AssertionError("nothing to gather")
+
+    rows, positions = gather_rows(NoCollective(), {"head.w": torch.ones(2, 3)}, [[], []])
+    assert positions == [] and rows["head.w"].shape == (0, 3)
+    rows, positions = gather_rows(NoCollective(), {}, [[0], [1]])
+    assert positions == [0, 1] and rows == {}
+
+
+def test_a_rank_without_clients_this_round_still_takes_part():
+    """A cohort smaller than the number of ranks leaves a rank with no rows; it sends padding and gets the others'."""
+    layout = [[0], []]
+    rank0 = {"head.w": torch.arange(6.0).view(1, 2, 3), "steps": torch.tensor([4])}
+    rank1 = {"head.w": torch.zeros(0, 2, 3), "steps": torch.zeros(0, dtype=torch.long)}
+    for rows, positions in run_ranks([rank0, rank1], layout):
+        assert positions == [0]
+        assert torch.equal(rows["head.w"], rank0["head.w"]) and torch.equal(rows["steps"], rank0["steps"])
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (or mutants/) root: ``tests`` imports from it
+
+
+LAYOUT = [[0, 2], [1]]  # rank 0 reports cohort positions 0 and 2, rank 1 position 1
+
+
+# rank r's own sums: a float32 model delta, a float64 extra upload; rows of a float32 and an int64 state entry
+DELTAS = {
+    0: {"w": [1.5, -2.0, 0.25, 4.0], "c": [0.125, 3.0]},
+    1: {"w": [0.5, 1.0, -0.75, 2.0], "c": [1.0, -1.0]},
+}
+
+
+ROWS = {0: {"v": [[1.0, 2.0], [3.0, 4.0]], "n": [7, 9]}, 1: {"v": [[5.0, 6.0]], "n": [8]}}
+
+
+# [weight, weighted_loss, samples, survivors, non_finite] on the device, and the host-side statistics
+COUNTS = {0: [2.0, 1.5, 30.0, 2.0, 0.0], 1: [1.0, 0.25, 12.0, 1.0, 0.0]}
+
+
+HOST = {0: dict(dropped=1.0, stragglers=0.0, upload_bytes=16777217.0), 1: dict(dropped=0.0, stragglers=2.0)}
+
+
+def rank_sums(rank: int) -> CohortSums:
+    deltas = {
+        "w": torch.tensor(DELTAS[rank]["w"], dtype=torch.float32).view(2, 2),
+        "c": torch.tensor(DELTAS[rank]["c"], dtype=torch.float64),
+    }
+    rows = {"v": torch.tensor(ROWS[rank]["v"]), "n": torch.tensor(ROWS[rank]["n"], dtype=torch.long)}
+    counts = torch.tensor(COUNTS[rank], dtype=torch.float64)
+    finite = torch.ones(len(LAYOUT[rank]), dtype=torch.bool)
+    return CohortSums(deltas, rows, list(LAYOUT[rank]), RoundStats(**HOST[rank]), counts, finite, {})
+
+
+def strategy(rank: int) -> DDPStrategy:
+    env = LightningEnvironment()
+    env.set_world_size(2)
+    env.set_global_rank(rank)
+    return DDPStrategy(cluster_environment=env, process_group_backend="gloo")
+
+
+def join(rank: int, port: int, store: dist.TCPStore | None = None) -> None:
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+
+
+def rank_one(port: int, out: str) -> None:
+    """Rank 1 (in the subprocess): reduce, then save what it got."""
+    join(1, port)
+    try:
+        got = rank_sums(1).all_reduce(strategy(1), torch.device("cpu"), LAYOUT)
+        torch.save({"sums": got.delta_sums, "rows": got.state_rows, "positions": got.positions}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory: pytest.TempPathFactory) -> tuple[CohortSums, dict]:
+    out = tmp_path_factory.mktemp("allreduce") / "rank1.pt"
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        # the same fl_lightning (and active mutant) as this process; mutmut's call statistics are this process's
+        "PYTHONPATH": os.pathsep.join([str(Path(fl_lightning.__file__).parents[1]), str(ROOT)]),
+        "MUTANT_UNDER_TEST": "" if mutant in ("stats", "fail") else mutant,
+    }
+    code = f"import {__name__} as t; t.rank_one({store.port}, {str(out)!r})"
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        join(0, store.port, store)
+        try:
+            mine = rank_sums(0).all_reduce(strategy(0), torch.device("cpu"), LAYOUT)
+        finally:
+            dist.destroy_process_group()
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0, err[-3000:]
+    return mine, torch.load(out, weights_only=False)
+
+
+def test_the_sums_are_added_over_both_ranks_in_their_dtypes(reduced: tuple[CohortSums, dict]) -> None:
+    mine, other = reduced
+    for got in (mine.delta_sums, other["sums"]):
+        assert got["w"].dtype == torch.float32 and got["c"].dtype == torch.float64
+        assert got["w"].shape == (2, 2)
+        assert_close_finite(got["w"], [[2.0, -1.0], [-0.5, 6.0]], rtol=0, atol=0)
+        assert_close_finite(got["c"], [1.125, 2.0], rtol=0, atol=0)
+
+
+def test_the_statistics_are_added_over_both_ranks(reduced: tuple[CohortSums, dict]) -> None:
+    stats = reduced[0].stats
+    assert isinstance(stats, RoundStats)
+    assert (stats.weight, stats.weighted_loss, stats.samples, stats.survivors) == (3.0, 1.75, 42.0, 3.0)
+    assert (stats.dropped, stats.non_finite, stats.stragglers) == (1.0, 0.0, 2.0)
+    assert stats.upload_bytes == 16777217.0  # exact: the statistics travel in float64
+    assert reduced[0].counts is None and reduced[0].finite is None
+
+
+def test_every_rank_gets_every_state_row_in_layout_order(reduced: tuple[CohortSums, dict]) -> None:
+    mine, other = reduced
+    for rows, positions in ((mine.state_rows, mine.positions), (other["rows"], other["positions"])):
+        assert positions == [0, 2, 1]
+        assert set(rows) == {"v", "n"}
+        assert rows["n"].dtype == torch.long and rows["n"].tolist() == [7, 9, 8]
+        assert_close_finite(rows["v"], [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], rtol=0, atol=0)
+
+
+BIG = 16777217  # 2**24 + 1: exact in float64, not in float32
+
+
+def ledger_for(template: dict[str, Tensor]) -> CommunicationLedger:
+    return CommunicationLedger((), (), (), list(template))
+
+
+def run_collect(
+    updates: list[ClientUpdate],
+    active: list[int],
+    glob: dict[str, Tensor],
+    template: dict[str, Tensor],
+    states: dict[str, Tensor],
+    weighting: str = "num_samples",
+    stats: RoundStats | None = None,
+    ledger: CommunicationLedger | None = None,
+    round_idx: int = 4,
+) -> CohortSums:
+    cohort = [10, 11, 12, 13]
+    ledger = ledger_for(template) if ledger is None else ledger
+    stats = RoundStats() if stats is None else stats
+    return collect(
+        round_idx, cohort, list(range(4)), active, updates, glob, template, states, ledger, weighting, stats, "Algo"
+    )
+
+
+def three_clients(state_dtype: torch.dtype = torch.float32) -> list[ClientUpdate]:
+    """Positions 0, 2, 3 report; position 2 (the second update) sent a NaN."""
+
+    def up(w: list[float], v: list[float], n: int, loss: float) -> ClientUpdate:
+        return ClientUpdate({"w": torch.tensor(w)}, {"v": torch.tensor(v, dtype=state_dtype)}, n, loss)
+
+    return [
+        up([2.0, 4.0], [1.0, 1.0], 3, 0.5),
+        up([float("nan"), 0.0], [9.0, 9.0], 5, 0.25),
+        up([0.0, 1.0], [2.0, 2.0], 2, 1.5),
+    ]
+
+
+GLOB = {"w": torch.tensor([1.0, 2.0])}
+
+
+TEMPLATE = {"w": torch.zeros(2)}
+
+
+STATES = {"v": torch.arange(8, dtype=torch.float32).view(4, 2)}
+
+
+def test_num_samples_weighting_adds_only_the_finite_clients() -> None:
+    sums = run_collect(three_clients(), [0, 2, 3], GLOB, TEMPLATE, STATES)
+    # weights 3, (dropped), 2: Σ w (θ_k − θ) = 3·[1, 2] + 2·[−1, −1]
+    assert sums.delta_sums["w"].dtype == torch.float64
+    assert_close_finite(sums.delta_sums["w"], [1.0, 4.0], rtol=0, atol=0)
+    assert sums.finite.tolist() == [True, False, True]
+    # [weight, Σ w·loss, samples, survivors, non-finite]
+    assert_close_finite(sums.counts, [5.0, 3 * 0.5 + 2 * 1.5, 5.0, 2.0, 1.0], rtol=0, atol=0)
+    assert sums.positions == [0, 2, 3]
+    # the NaN client keeps its old row (position 2 of the cohort's states)
+    assert_close_finite(sums.state_rows["v"], [[1.0, 1.0], [4.0, 5.0], [2.0, 2.0]], rtol=0, atol=0)
+    assert sums.notes == {"round": 4, "clients": [10, 12, 13]}
+
+
+def test_uniform_weighting_gives_every_finite_client_weight_one() -> None:
+    sums = run_collect(three_clients(), [0, 2, 3], GLOB, TEMPLATE, STATES, weighting="uniform")
+    assert_close_finite(sums.delta_sums["w"], [0.0, 1.0], rtol=0, atol=0)
+    assert_close_finite(sums.counts, [2.0, 0.5 + 1.5, 5.0, 2.0, 1.0], rtol=0, atol=0)
+
+
+def test_new_state_rows_take_the_banks_dtype() -> None:
+    sums = run_collect(three_clients(torch.float64), [0, 2, 3], GLOB, TEMPLATE, STATES)
+    assert sums.state_rows["v"].dtype == torch.float32
+    assert_close_finite(sums.state_rows["v"], [[1.0, 1.0], [4.0, 5.0], [2.0, 2.0]], rtol=0, atol=0)
+
+
+def test_upload_bytes_are_added_to_the_round_statistics_and_the_ledger_sees_the_round() -> None:
+    ledger = ledger_for(TEMPLATE)
+    stats = RoundStats(upload_bytes=100.0, dropped=1.0)
+    sums = run_collect(three_clients(), [0, 2, 3], GLOB, TEMPLATE, STATES, stats=stats, ledger=ledger, round_idx=7)
+    assert sums.stats.upload_bytes == 100.0 + 3 * 2 * 4  # three uploads of two float32
+    assert sums.stats.dropped == 1.0
+    assert [(r.round, r.uploads) for r in ledger.history] == [(7, 3)]
+
+
+def test_sample_counts_are_kept_exactly() -> None:
+    ups = [ClientUpdate({"w": torch.tensor([1.0, 2.0])}, {"v": torch.zeros(2)}, n, 0.0) for n in (BIG, 3)]
+    sums = run_collect(ups, [1, 3], GLOB, TEMPLATE, STATES)
+    assert sums.counts.dtype == torch.float64
+    assert sums.counts[0].item() == BIG + 3 and sums.counts[2].item() == BIG + 3
+
+
+def test_integer_buffers_are_summed_in_float64() -> None:
+    template, glob = {"n": torch.zeros((), dtype=torch.long)}, {"n": torch.tensor(0)}
+    ups = [ClientUpdate({"n": torch.tensor(BIG)}, {}, 1, 0.0) for _ in range(2)]
+    sums = run_collect(ups, [0, 1], glob, template, {}, weighting="uniform")
+    assert sums.delta_sums["n"].dtype == torch.float64
+    assert sums.delta_sums["n"].item() == 2 * BIG
+
+
+def test_a_rank_without_reports_sums_float64_zeros_and_no_rows() -> None:
+    template = {"w": torch.zeros(2), "n": torch.zeros((), dtype=torch.long)}
+    sums = run_collect([], [], GLOB, template, STATES)
+    assert {n: v.dtype for n, v in sums.delta_sums.items()} == {"w": torch.float64, "n": torch.float64}
+    assert sums.delta_sums["w"].tolist() == [0.0, 0.0] and sums.delta_sums["n"].item() == 0.0
+    assert sums.positions == []
+    assert set(sums.state_rows) == {"v"} and sums.state_rows["v"].shape == (0, 2)
+
+
+def test_uploads_outside_the_model_work_without_global_parameters() -> None:
+    template = {"c": torch.zeros(2)}
+    ups = [ClientUpdate({"c": torch.tensor([1.0, -1.0])}, {}, 2, 0.5), ClientUpdate({"c": torch.ones(2)}, {}, 1, 1.0)]
+    sums = run_collect(ups, [0, 1], {}, template, {})
+    assert_close_finite(sums.delta_sums["c"], [3.0, -1.0], rtol=0, atol=0)  # Σ w·upload (no global to subtract)
+    assert sums.finite.device.type == "cpu"
+    assert_close_finite(sums.counts, [3.0, 2.0, 3.0, 2.0, 0.0], rtol=0, atol=0)
+
+
+def test_everything_collect_builds_is_on_the_models_device() -> None:
+    meta = torch.device("meta")
+    glob, template = {"w": torch.zeros(2, device=meta)}, {"w": torch.zeros(2, device=meta)}
+    states = {"v": torch.zeros(4, 2, device=meta)}
+    ups = [ClientUpdate({"w": torch.ones(2, device=meta)}, {"v": torch.ones(2, device=meta)}, 2, 0.5)] * 2
+    sums = run_collect(ups, [0, 1], glob, template, states)
+    assert sums.finite.device == meta and sums.counts.device == meta
+    assert sums.delta_sums["w"].device == meta and sums.state_rows["v"].device == meta
+
+
+# ---- all_reduce on one process -------------------------------------------------------------------------------
+class OnlyReduce:
+    """A one-process strategy that only reduces (no ``world_size``, no ``all_gather``): the identity."""
+
+    def reduce(self, tensor: Tensor, reduce_op: Any = "mean") -> Tensor:
+        return tensor
+
+
+def test_one_process_returns_its_own_rows_with_or_without_a_layout() -> None:
+    sums = run_collect(three_clients(), [0, 2, 3], GLOB, TEMPLATE, STATES)
+    for layout in ([[0, 2, 3]], None):
+        got = sums.all_reduce(OnlyReduce(), torch.device("cpu"), layout)
+        assert got.positions == [0, 2, 3]
+        assert_close_finite(got.state_rows["v"], [[1.0, 1.0], [4.0, 5.0], [2.0, 2.0]], rtol=0, atol=0)
+        assert_close_finite(got.delta_sums["w"], [1.0, 4.0], rtol=0, atol=0)
+        assert (got.stats.weight, got.stats.survivors, got.stats.non_finite) == (5.0, 2.0, 1.0)
+
+
+def test_a_non_finite_client_is_logged_by_id(caplog: pytest.LogCaptureFixture) -> None:
+    sums = run_collect(three_clients(), [0, 2, 3], GLOB, TEMPLATE, STATES)
+    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+        sums.all_reduce(OnlyReduce(), torch.device("cpu"))
+    assert [r.getMessage() for r in caplog.records] == ["round 4: client 12 sent a non-finite update; it is dropped"]
+
+
+def test_non_finite_clients_of_other_ranks_need_no_finite_mask_here() -> None:
+    """A rank without reports (``finite`` None) sees another rank's non-finite count: nothing to log, no error."""
+    sums = CohortSums({"w": torch.zeros(2, dtype=torch.float64)}, {}, [], RoundStats(non_finite=1.0))
+    got = sums.all_reduce(OnlyReduce(), torch.device("cpu"), [[]])
+    assert got.stats.non_finite == 1.0 and got.positions == []
+
+
+# ---- mean_update and to_tensor --------------------------------------------------------------------------------
+def test_the_mean_of_one_uniform_client_is_its_delta() -> None:
+    sums = CohortSums({"w": torch.tensor([2.0, -4.0], dtype=torch.float64)}, {}, [], RoundStats(weight=1.0))
+    mean = sums.mean_update({"w": torch.zeros(2)})
+    assert mean["w"].dtype == torch.float32
+    assert_close_finite(mean["w"], [2.0, -4.0], rtol=0, atol=0)
+
+
+def test_no_weight_means_no_update() -> None:
+    sums = CohortSums({"w": torch.ones(2, dtype=torch.float64)}, {}, [], RoundStats(weight=0.0))
+    assert sums.mean_update({"w": torch.zeros(2)}) == {}
+
+
+def test_integer_buffers_mean_stays_float64_and_unrounded() -> None:
+    sums = CohortSums({"n": torch.tensor(5.5, dtype=torch.float64)}, {}, [], RoundStats(weight=2.0))
+    mean = sums.mean_update({"n": torch.zeros((), dtype=torch.long)})
+    assert mean["n"].dtype == torch.float64 and mean["n"].item() == 2.75
+
+
+def test_the_weight_divides_in_float64() -> None:
+    sums = CohortSums({"n": torch.tensor(float(BIG), dtype=torch.float64)}, {}, [], RoundStats(weight=float(BIG)))
+    assert sums.mean_update({"n": torch.zeros((), dtype=torch.long)})["n"].item() == 1.0
+
+
+def test_round_stats_travel_in_float64() -> None:
+    values = RoundStats(weight=2.0, upload_bytes=float(BIG)).to_tensor("cpu")
+    assert values.dtype == torch.float64
+    assert values.tolist() == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, float(BIG)]
+
+
+def test_add_delta_keeps_a_float32_value_float32() -> None:
+    out = add_delta(torch.tensor([1.0, 2.0]), torch.tensor([0.5, -0.25], dtype=torch.float64))
+    assert out.dtype == torch.float32 and out.tolist() == [1.5, 1.75]
+
+
+def test_add_delta_rounds_into_an_integer_buffer() -> None:
+    out = add_delta(torch.tensor([3, 10]), torch.tensor([1.6, -2.4], dtype=torch.float64))
+    assert out.dtype == torch.long and out.tolist() == [5, 8]
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[set[str], dict[str, Tensor], int]] = []
+
+    def server_update(self, state: dict[str, Tensor], extra: dict[str, Tensor], round_idx: int) -> None:
+        self.calls.append((set(state), dict(extra), round_idx))
+
+
+def test_server_step_hands_only_the_extra_uploads_to_the_algorithm() -> None:
+    """One parameter (stepped by SGD lr 1 on −Δ: ``w + Δ``), one buffer (``+ Δ``), one upload outside the model."""
+    net = nn.Module()
+    net.w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    net.register_buffer("b", torch.tensor([5.0]))
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    algo = _Recorder()
+    upd = {"w": torch.tensor([0.5, -1.0]), "b": torch.tensor([2.0]), "c": torch.tensor([7.0])}
+    server_step(net, opt, algo, upd, 3)  # type: ignore[arg-type]
+    assert net.w.detach().tolist() == [1.5, 1.0] and net.b.tolist() == [7.0]
+    ((state, extra, round_idx),) = algo.calls
+    assert state == {"w", "b"} and round_idx == 3
+    assert set(extra) == {"c"} and extra["c"].tolist() == [7.0]
+
+
+def test_collect_counts_sample_sizes_beyond_float32_exactly() -> None:
+    """Two clients with 2**24 + 1 and 2 samples: weight and sample counts 2**24 + 3 (not a float32 number)."""
+    big = 2**24 + 1
+    template: dict[str, Any] = {"w": torch.zeros(1)}
+    ups = [ClientUpdate({"w": torch.tensor([1.0])}, {}, n, 0.0) for n in (big, 2)]
+    ledger = CommunicationLedger((), (), (), list(template))
+    sums = collect(0, [0, 1], [0, 1], [0, 1], ups, {"w": torch.zeros(1)}, template, {}, ledger, "num_samples",
+                   RoundStats(), "Algo")  # fmt: skip
+    assert sums.counts is not None
+    assert sums.counts[0].item() == big + 2 and sums.counts[2].item() == big + 2

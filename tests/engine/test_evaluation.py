@@ -1,0 +1,545 @@
+"""``fl_lightning/engine/evaluation.py``: client evaluation against plain-torch references, its chunks, the "+FT"
+fine-tuning of the heads, and new clients evaluated through the held-out client path."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from datamodules import DigitsDataModule, Shards
+from fl_lightning.algorithms import FedAvg, FedProto, FedProx, PFedMe
+from fl_lightning.client import ClientContext, Params, select
+from fl_lightning.engine import evaluation
+from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.evaluation import (
+    ClientChunks,
+    ClientEvaluation,
+    _finetune_heads,
+    client_chunks,
+    score_outputs,
+    shared_body_applies,
+    validation_metrics,
+)
+from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.metrics import PerClientScores
+from fl_lightning.models import DigitsMLP
+from fl_lightning.models.split import SplitModel
+from tests.helpers.asserts import assert_close_finite
+from tests.helpers.functional_mlp import MOM
+from tests.helpers.round_references import (
+    FULL_BATCH,
+    LR,
+    MOMENTUM,
+    fedproto_train,
+    model_with,
+    nearest_prototype_accuracy,
+    params_of,
+)
+from tests.helpers.training import fit, make_trainer
+
+
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_finetune_moves_only_the_head_for_the_configured_epochs(executor):
+    """ "+FT" against a plain-torch loop: each client copies the global model, runs 3 full-batch momentum-SGD
+    epochs on the head only, and is scored on its test split; the global model is left as it was."""
+    dm = DigitsDataModule(num_clients=10, partition=Shards(2), participation=0.3, seed=0)
+    torch.manual_seed(0)
+    lr, epochs = 0.05, 3
+    module = FederatedModule(
+        FedProx(mu=0.1), DigitsMLP(hidden=(16,)), lr=lr, batch_size=10_000, eval_every=100, eval_last=1,
+        finetune=FineTune(epochs=epochs), executor=executor,
+    )  # fmt: skip
+    make_trainer(2).fit(module, datamodule=dm)
+    trained = {n: p.detach().clone() for n, p in module.net.named_parameters()}
+    result = module.evaluate_clients(1, finetune=module.finetune)
+    assert all(torch.equal(p, trained[n]) for n, p in module.net.named_parameters())
+    assert module.summary["algorithm"] == "FedProx+FT"
+    assert module.summary["final"] == pytest.approx(float(result["acc_mean"]), abs=1e-12)
+
+    def reference(client, head_epochs, trainable=("head.",)):
+        net = copy.deepcopy(module.net)
+        opt = torch.optim.SGD([p for n, p in net.named_parameters() if n.startswith(trainable)], lr=lr, momentum=MOM)
+        x, y = dm.federated.train.client(client)
+        for _ in range(head_epochs):
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        xt, yt = dm.federated.test.client(client)
+        with torch.no_grad():
+            out = net(xt)
+        return F.cross_entropy(out, yt).item(), (out.argmax(-1) == yt).double().mean().item()
+
+    for c in range(10):
+        loss, acc = reference(c, epochs)
+        assert float(result["loss_per_client"][c]) == pytest.approx(loss, rel=1e-4)
+        assert float(result["acc_per_client"][c]) == pytest.approx(acc, abs=1e-9)
+    # the checks can fail: one epoch fewer, or a body that moves too, gives another loss
+    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs - 1)[0], rel=1e-3)
+    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs, ("",))[0], rel=1e-3)
+
+
+# ---- held-out new clients ---------------------------------------------------------------------------------------
+class WithNewClients(DigitsDataModule):
+    def setup(self, stage=None):
+        super().setup(stage)
+        other = DigitsDataModule(num_clients=5, partition=Shards(2), seed=7)
+        other.setup()
+        self.new_clients = other.federated
+
+
+@pytest.mark.parametrize("name", ["PFedMe", "FedProto"])
+def test_new_clients_are_evaluated_through_the_held_out_client_path(name):
+    algorithm = PFedMe(inner_steps=2, local_steps=3) if name == "PFedMe" else FedProto()
+    finetune = FineTune(epochs=3, prefixes=("",) if name == "FedProto" else ("head.",))
+    module = FederatedModule(
+        algorithm, DigitsMLP(hidden=(16, 8)), lr=LR, momentum=MOMENTUM, batch_size=FULL_BATCH,
+        aggregation="uniform", eval_every=100, eval_last=1, new_client_finetune=finetune,
+    )  # fmt: skip
+    fit(module, WithNewClients(num_clients=10, partition=Shards(2), clients_per_round=4, seed=0), rounds=3)
+    acc = module.summary["new_clients_acc"]
+    assert 0.0 <= acc <= 1.0 and module.bank.num_clients == 10
+    if name == "FedProto":  # each new client: the fresh model trained on the local loss, nearest prototype
+        new = WithNewClients(num_clients=10, partition=Shards(2), seed=0)
+        new.setup()
+        init = params_of(module.net)  # FedProto never moves the global model: it is the initial one
+        proto, known = algorithm.global_prototypes, algorithm.known
+        accs = []
+        for c in range(5):
+            x, y = new.new_clients.train.client(c)
+            model = fedproto_train(model_with(module.net, init), x, y, proto, known, algorithm.lam, 3)
+            accs.append(nearest_prototype_accuracy(model, *new.new_clients.test.client(c), proto, known))
+        assert abs(acc - sum(accs) / 5) < 1e-5
+
+
+class _Context:
+    def __init__(self, clients: list[int], calls: list[dict]) -> None:
+        self.clients, self.calls = clients, calls
+
+    def params_with(self, prefixes: tuple[str, ...]) -> list[str]:
+        return select(["body.w", "head.w", "head.b"], prefixes)
+
+    def sgd(self, params: Params, trainable: list[str], epochs: int) -> Params:
+        k = len(self.clients)
+        assert k > 0
+        assert all(v.shape[0] == k for v in params.values())
+        self.calls.append({"clients": list(self.clients), "trainable": list(trainable), "epochs": epochs})
+        ids = torch.tensor(self.clients, dtype=torch.float64)
+        return {n: (2 * v + ids.view(-1, *([1] * (v.dim() - 1))) if n in trainable else v) for n, v in params.items()}
+
+
+class _Module:
+    def __init__(self) -> None:
+        self.net = nn.Linear(1, 1)
+        self.calls: list[dict] = []
+
+    def vector_context(self, clients: list[int], round_idx: int, budgets: list[float], tag: str = "train") -> _Context:
+        assert tag == "evaluation" and round_idx == 4 and len(budgets) == len(clients)
+        return _Context(clients, self.calls)
+
+
+def _heads(clients: list[int]) -> list[Params]:
+    return [
+        {
+            "head.w": torch.tensor([[0.5 * j, -1.0]], dtype=torch.float64),
+            "head.b": torch.tensor([j - 0.25], dtype=torch.float64),
+        }
+        for j, _ in enumerate(clients)
+    ]
+
+
+def _glob() -> dict[str, Tensor]:
+    return {
+        "body.w": torch.tensor([3.0], dtype=torch.float64),
+        "head.w": torch.tensor([[100.0, 100.0]], dtype=torch.float64),
+        "head.b": torch.tensor([100.0], dtype=torch.float64),
+    }
+
+
+def _check(clients: list[int]) -> _Module:
+    module, heads = _Module(), _heads(clients)
+    out = _finetune_heads(module, clients, _glob(), heads, 4, FineTune(epochs=3, prefixes=("head.",)))
+    assert len(out) == len(clients)
+    for k, c in enumerate(clients):
+        assert sorted(out[k]) == ["head.b", "head.w"]
+        for n in ("head.w", "head.b"):
+            assert_close_finite(out[k][n], 2 * heads[k][n] + c, msg=f"client {c} {n}")
+    return module
+
+
+def test_finetune_heads_chunks_300_clients_as_256_then_44_and_keeps_each_clients_head() -> None:
+    """300 clients: two chunks (256 and 44, in order), the head names trained for the configured epochs, and
+    every client's tuned head is its own head's."""
+    clients = [3 * j + 1 for j in range(300)]
+    module = _check(clients)
+    assert [c["clients"] for c in module.calls] == [clients[:256], clients[256:]]
+    assert all(c["trainable"] == ["head.w", "head.b"] and c["epochs"] == 3 for c in module.calls)
+
+
+def test_finetune_heads_single_and_few_clients() -> None:
+    """One client and three clients: a single chunk each, one result per client."""
+    for clients in ([7], [5, 0, 9]):
+        module = _check(clients)
+        assert [c["clients"] for c in module.calls] == [clients]
+
+
+Params_2 = dict[str, Tensor]
+
+
+SEED, ROUND, LR_2, BS = 11, 7, 0.5, 2
+
+
+TRAIN_SIZES, TEST_SIZES, VAL_SIZES = [6, 6, 4], [3, 4, 2], [2, 3, 2]
+
+
+def _split(sizes: list[int], gen: torch.Generator) -> ClientSplit:
+    n = sum(sizes)
+    ptr = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    return ClientSplit(
+        torch.randn(n, 4, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen), ptr
+    )
+
+
+def _fed() -> FederatedData:
+    gen = torch.Generator().manual_seed(3)
+    train, test, val = _split(TRAIN_SIZES, gen), _split(TEST_SIZES, gen), _split(VAL_SIZES, gen)
+    return FederatedData(train, test, 3, seed=SEED, val=val)
+
+
+def _module(algorithm: FedAvg, executor: str = "sequential") -> FederatedModule:
+    torch.manual_seed(0)
+    net = SplitModel(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Linear(5, 3)).double()
+    module = FederatedModule(algorithm, net, lr=LR_2, momentum=0.0, batch_size=BS, executor=executor)
+    module.attach_data(_fed())
+    return module
+
+
+def _heads_2(module: FederatedModule) -> list[Params_2]:
+    """Every client's own head: the global head shifted by a client-specific amount."""
+    glob = module.global_params()
+    return [
+        {
+            "head.weight": glob["head.weight"] + 0.4 * (c - 1) * torch.ones_like(glob["head.weight"]).tril(),
+            "head.bias": glob["head.bias"] + torch.tensor([0.3 * c, -0.2, 0.1 * c], dtype=torch.float64),
+        }
+        for c in range(3)
+    ]
+
+
+def _forward(p: Params_2, x: Tensor) -> Tensor:
+    h = torch.tanh(x @ p["body.0.weight"].T + p["body.0.bias"])
+    return h @ p["head.weight"].T + p["head.bias"]
+
+
+def _evaluation_stream(client: int) -> torch.Generator:
+    """The client's evaluation generator of round ``ROUND``, seeded by the reference derivation."""
+    digest = hashlib.blake2b(repr((SEED, "evaluation", ROUND, client)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63)
+
+
+def _reference_finetune(p: Params_2, x: Tensor, y: Tensor, client: int, names: list[str]) -> Params_2:
+    """One epoch of plain SGD (lr 0.5, mean cross-entropy of each batch of 2) on ``names``."""
+    p = {n: v.clone() for n, v in p.items()}
+    perm = torch.randperm(x.shape[0], generator=_evaluation_stream(client))
+    for i in range(0, x.shape[0], BS):
+        idx = perm[i : i + BS]
+        leaves = {n: p[n].detach().requires_grad_(True) for n in names}
+        loss = F.cross_entropy(_forward({**p, **leaves}, x[idx]), y[idx])
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        for n, g in zip(names, grads):
+            p[n] = (p[n] - LR_2 * g).detach()
+    return p
+
+
+def _reference_scores(
+    module: FederatedModule, heads: list[Params_2], split: str, tune: list[str] | None = None,
+    transform: Callable[[Tensor], Tensor] = lambda out: out,
+) -> tuple[list[float], list[float], list[float]]:  # fmt: skip
+    """(correct, samples, summed loss) of every client, computed by hand."""
+    fed, glob = module.fed, {n: v.clone() for n, v in module.global_params().items()}
+    rows = getattr(fed, split)
+    correct, total, loss = [], [], []
+    for c in range(3):
+        p = {**glob, **heads[c]}
+        if tune is not None:
+            xt, yt = fed.train.client(c)
+            p = _reference_finetune(p, xt, yt, c, tune)
+        x, y = rows.client(c)
+        out = transform(_forward(p, x))
+        correct.append(float((out.argmax(1) == y).sum()))
+        total.append(float(x.shape[0]))
+        loss.append(float(F.cross_entropy(out, y, reduction="sum")))
+    return correct, total, loss
+
+
+def _evaluate(module: FederatedModule, heads: list[Params_2], **kwargs: object) -> PerClientScores:
+    scores = PerClientScores(3)
+    evaluation.evaluate_clients(module, [0, 1, 2], ROUND, scores, state_of=lambda c: heads[c], **kwargs)
+    return scores
+
+
+def _check_2(scores: PerClientScores, expected: tuple[list[float], list[float], list[float]]) -> None:
+    correct, total, loss = expected
+    assert scores.total.tolist() == total
+    assert scores.correct.tolist() == correct
+    # the loss is summed in float32 (``score_outputs``), hence the float32-level tolerance
+    assert_close_finite(scores.loss_sum, torch.tensor(loss, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+
+
+def test_default_split_is_the_test_split() -> None:
+    """Without ``split`` every client is scored on its test rows (3, 4, 2 of them; the val split has 2, 3, 2)."""
+    module = _module(FedAvg(1, personal=("head.",)))
+    heads = _heads_2(module)
+    _check_2(_evaluate(module, heads), _reference_scores(module, heads, "test"))
+    _check_2(_evaluate(module, heads, split="val"), _reference_scores(module, heads, "val"))
+
+
+class _ScaledPredict(FedAvg):
+    """An algorithm whose outputs are the network's logits negated and doubled (its own ``predict``)."""
+
+    def predict(self, net: nn.Module, params: Params_2, x: Tensor, side: Tensor | None) -> Tensor:
+        return -2.0 * super().predict(net, params, x, side)
+
+
+def test_the_algorithms_predict_gives_the_scored_outputs() -> None:
+    module = _module(_ScaledPredict(1, personal=("head.",)))
+    heads = _heads_2(module)
+    expected = _reference_scores(module, heads, "test", transform=lambda out: -2.0 * out)
+    assert expected != _reference_scores(module, heads, "test")  # the case tells the two apart
+    _check_2(_evaluate(module, heads, split="test"), expected)
+
+
+class _RecordingAdapt(FedAvg):
+    """Records the context each client adapts in: its client id, round and first draw of its generator."""
+
+    def __init__(self) -> None:
+        super().__init__(1, personal=("head.",))
+        self.seen: list[tuple[int, int, float]] = []
+
+    def adapt_for_evaluation(self, ctx: ClientContext, params: Params_2) -> Params_2:
+        self.seen.append((ctx.client, ctx.round, float(torch.rand(1, generator=ctx.generator))))
+        return params
+
+
+def test_evaluation_adapts_in_the_clients_evaluation_stream_of_the_round() -> None:
+    algorithm = _RecordingAdapt()
+    module = _module(algorithm)
+    heads = _heads_2(module)
+    _check_2(_evaluate(module, heads, split="test"), _reference_scores(module, heads, "test"))
+    expected = [(c, ROUND, float(torch.rand(1, generator=_evaluation_stream(c)))) for c in range(3)]
+    assert algorithm.seen == expected
+
+
+def test_finetune_of_the_head_client_by_client() -> None:
+    """Sequential executor, "+FT" of the head: each client's head after one epoch of SGD in its evaluation
+    stream's order."""
+    module = _module(FedAvg(1, personal=("head.",)))
+    heads = _heads_2(module)
+    expected = _reference_scores(module, heads, "test", tune=["head.weight", "head.bias"])
+    _check_2(_evaluate(module, heads, finetune=FineTune(epochs=1, prefixes=("head.",))), expected)
+
+
+def test_finetune_of_the_head_on_the_shared_body_fast_path() -> None:
+    """Vectorized executor (the shared-body fast path): the same fine-tuned heads as the reference."""
+    module = _module(FedAvg(1, personal=("head.",)), executor="vectorized")
+    assert evaluation.shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
+    heads = _heads_2(module)
+    expected = _reference_scores(module, heads, "test", tune=["head.weight", "head.bias"])
+    assert expected[2] != _reference_scores(module, heads, "test")[2]  # fine-tuning changes the losses
+    _check_2(_evaluate(module, heads, finetune=FineTune(epochs=1, prefixes=("head.",))), expected)
+
+
+def test_finetune_of_the_body_on_the_vectorized_executor_tunes_the_body() -> None:
+    """Vectorized executor but "+FT" of the body: the fast path (which keeps only the heads) does not apply and
+    each client is scored with its fine-tuned body."""
+    module = _module(FedAvg(1, personal=("head.",)), executor="vectorized")
+    heads = _heads_2(module)
+    expected = _reference_scores(module, heads, "test", tune=["body.0.weight", "body.0.bias"])
+    assert expected[2] != _reference_scores(module, heads, "test")[2]
+    _check_2(_evaluate(module, heads, finetune=FineTune(epochs=1, prefixes=("body.",))), expected)
+
+
+ACC = [0.5, 1.0, 0.25, 0.75]
+
+
+LOSS = [1.0, 2.0, 4.0, 0.5]
+
+
+# ---- client chunks ---------------------------------------------------------------------------------------------
+def test_client_chunks_default_is_every_client_of_the_single_process_in_one_chunk() -> None:
+    """Rank 0 of a world of 1 by default: 5 clients are one chunk of all five."""
+    chunks = ClientChunks(5)
+    assert len(chunks) == 1
+    assert list(chunks) == [[0, 1, 2, 3, 4]]
+
+
+def test_client_chunks_count_uses_this_ranks_share_of_the_clients() -> None:
+    """300 clients on 2 ranks: 150 per rank fit one chunk of 256 (not 300 / 256 rounded up, not more)."""
+    for rank in (0, 1):
+        chunks = ClientChunks(300, rank, 2)
+        assert len(chunks) == 1
+        assert list(chunks) == [list(range(rank, 300, 2))]
+    assert len(ClientChunks(600, 1, 2)) == 2  # 300 clients per rank: 256 + 44
+
+
+def test_client_chunks_for_no_trainer_and_for_a_trainers_rank() -> None:
+    """Without a trainer all clients are this process's; with one, its rank's share."""
+    assert list(client_chunks(4)) == [[0, 1, 2, 3]]
+    assert list(client_chunks(5, SimpleNamespace(global_rank=1, world_size=2))) == [[1, 3]]
+
+
+# ---- ClientEvaluation ------------------------------------------------------------------------------------------
+def _scores(with_samples: bool) -> dict[str, torch.Tensor]:
+    scores = {
+        "acc_per_client": torch.tensor(ACC, dtype=torch.float64),
+        "loss_per_client": torch.tensor(LOSS, dtype=torch.float64),
+        "acc_mean": torch.tensor(0.6, dtype=torch.float64),
+        "acc_weighted": torch.tensor(0.55, dtype=torch.float64),
+        "loss_mean": torch.tensor(1.5, dtype=torch.float64),
+    }
+    if with_samples:
+        scores["samples_per_client"] = torch.tensor([2.0, 1.0, 4.0, 0.0], dtype=torch.float64)
+    return scores
+
+
+def test_from_scores_keeps_the_samples_per_client_when_given() -> None:
+    result = ClientEvaluation.from_scores(_scores(True), 6)
+    assert result.round == 6
+    assert result.samples_per_client is not None
+    assert result.samples_per_client.tolist() == [2.0, 1.0, 4.0, 0.0]
+    assert [r["samples"] for r in result.rows()] == [2, 1, 4, 0]
+    assert (result.acc_mean, result.acc_weighted, result.loss_mean) == (0.6, 0.55, 1.5)
+
+
+def test_from_scores_without_samples_leaves_them_unknown() -> None:
+    result = ClientEvaluation.from_scores(_scores(False), 2)
+    assert result.samples_per_client is None
+    assert [r["samples"] for r in result.rows()] == [-1, -1, -1, -1]
+
+
+def test_spread_without_samples_counts_every_client() -> None:
+    """Unknown samples: every client counts (the last client, with 0.75, too)."""
+    result = ClientEvaluation.from_scores(_scores(False), 2)
+    a, loss = np.array(ACC), np.array(LOSS)
+    s = result.spread()
+    assert_close_finite(s["acc_std"], a.std())
+    assert_close_finite(s["acc_min"], a.min())
+    assert_close_finite(s["acc_worst10"], a.min())  # ⌈0.1 · 4⌉ = 1 client
+    r = result.spread(regression=True)
+    assert_close_finite(r["mse_std"], loss.std())
+    assert_close_finite(r["mse_max"], loss.max())
+    assert_close_finite(r["mse_worst10"], loss.max())
+
+
+# ---- validation_metrics ----------------------------------------------------------------------------------------
+class _WithRepresentation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.representation = nn.Parameter(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+
+
+def test_validation_metrics_of_a_regression_run_are_the_mse_spread() -> None:
+    """Regression (``num_classes`` None): mse_mean and the spread of the per-client errors over clients with
+    data (the 4th has none), the highest error being the worst."""
+    result = ClientEvaluation.from_scores(_scores(True), 1)
+    fed = SimpleNamespace(num_classes=None, extras={})
+    m = validation_metrics(result, fed, nn.Linear(1, 1), prefix="val")
+    loss = np.array(LOSS[:3])
+    assert sorted(m) == ["val/mse_max", "val/mse_mean", "val/mse_std", "val/mse_worst10"]
+    assert_close_finite(m["val/mse_mean"], 1.5)
+    assert_close_finite(m["val/mse_std"], loss.std())
+    assert_close_finite(m["val/mse_max"], 4.0)
+
+
+def test_validation_metrics_of_a_classification_run_are_the_accuracy_spread() -> None:
+    """Classification: acc_mean, acc_weighted, loss and the accuracy spread (the lowest being the worst)."""
+    result = ClientEvaluation.from_scores(_scores(True), 1)
+    fed = SimpleNamespace(num_classes=3, extras={})
+    m = validation_metrics(result, fed, nn.Linear(1, 1), prefix="test")
+    a = np.array(ACC[:3])
+    assert sorted(m) == [
+        "test/acc_mean",
+        "test/acc_min",
+        "test/acc_std",
+        "test/acc_weighted",
+        "test/acc_worst10",
+        "test/loss",
+    ]
+    assert_close_finite(m["test/acc_std"], a.std())
+    assert_close_finite(m["test/acc_min"], 0.25)
+
+
+def test_validation_metrics_dist_b_needs_both_the_ground_truth_and_a_representation() -> None:
+    """A representation without ``B_star``, or ``B_star`` with a network that has no representation: no
+    ``dist_B`` (and no error); both: the sine of the largest principal angle (here B* ⟂ the representation's
+    second column partly)."""
+    result = ClientEvaluation.from_scores(_scores(True), 1)
+    b_star = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    without_truth = validation_metrics(result, SimpleNamespace(num_classes=3, extras={}), _WithRepresentation())
+    assert "val/dist_B" not in without_truth
+    no_rep = validation_metrics(result, SimpleNamespace(num_classes=3, extras={"B_star": b_star}), nn.Linear(1, 1))
+    assert "val/dist_B" not in no_rep
+    both = validation_metrics(result, SimpleNamespace(num_classes=3, extras={"B_star": b_star}), _WithRepresentation())
+    assert_close_finite(both["val/dist_B"], 1.0)  # span{e1, e2} vs span{e1, e3}: a right angle
+
+
+# ---- score_outputs ---------------------------------------------------------------------------------------------
+def test_score_outputs_regression_is_the_summed_squared_error_and_no_correct_count() -> None:
+    out = torch.tensor([[1.0], [2.0], [4.0]])
+    y = torch.tensor([[0.5], [2.5], [1.0]], dtype=torch.float64)
+    correct, n, sq = score_outputs(out, y, None)
+    assert correct == 0.0
+    assert n == 3
+    assert_close_finite(sq, 0.25 + 0.25 + 9.0)
+
+
+def test_score_outputs_classification_counts_the_arg_max_hits() -> None:
+    out = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [0.5, 2.0, 1.0]])
+    y = torch.tensor([0, 2, 0])
+    correct, n, loss = score_outputs(out, y, 3)
+    assert int(correct) == 2 and n == 3
+    lse = np.log(np.exp(out.numpy().astype(np.float64)).sum(1))
+    assert_close_finite(loss, (lse - np.array([2.0, 3.0, 0.5])).sum(), rtol=1e-6)
+
+
+# ---- shared_body_applies ---------------------------------------------------------------------------------------
+class _BodyHeadOnly(nn.Module):
+    """A network with ``body`` and ``head`` and no ``side`` attribute at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 2), nn.Linear(2, 2)
+
+
+def _module_2(net: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(executor="vectorized", net=net, algorithm=FedAvg(1, personal=("head.",)))
+
+
+def test_shared_body_applies_with_head_fine_tuning_and_not_with_body_fine_tuning() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
+    assert shared_body_applies(module, None)
+    assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
+    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("body.",)))
+    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("head.", "body.")))
+
+
+def test_shared_body_applies_not_with_a_side_branch() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2), side=nn.Identity()))
+    assert not shared_body_applies(module, None)
+
+
+def test_shared_body_applies_to_a_network_without_a_side_attribute() -> None:
+    assert shared_body_applies(_module_2(_BodyHeadOnly()), None)
+
+
+def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
+    module.executor = "sequential"
+    assert not shared_body_applies(module, None)

@@ -1,0 +1,54 @@
+"""``fl_lightning/engine/rounds.py``: client sampling as a pure function of seed and round, ``ClientSampler`` and
+``RoundLoader``."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from fl_lightning.engine.rounds import ClientSampler, RoundLoader
+
+
+def test_sampling_is_a_pure_function_of_seed_and_round():
+    a, b = ClientSampler(100, 10, seed=7), ClientSampler(100, 10, seed=7)
+    late = [b.sample(r) for r in range(20, 0, -1)][::-1]  # drawn in the opposite order
+    early = [a.sample(r) for r in range(1, 21)]
+    assert all(torch.equal(x, y) for x, y in zip(early, late))
+    assert all(len(set(s.tolist())) == 10 for s in early)  # without replacement
+    assert not torch.equal(ClientSampler(100, 10, seed=8).sample(3), a.sample(3))
+    assert len({tuple(s.tolist()) for s in early}) > 15  # rounds differ
+    counts = torch.bincount(torch.cat([a.sample(r) for r in range(2000)]), minlength=100).float()
+    assert (counts / 2000 - 0.1).abs().max() < 0.03  # uniform
+
+
+SEED, CLIENTS, PER_ROUND = 4, 20, 5
+
+
+def _cohort(round_idx: int) -> list[int]:
+    digest = hashlib.blake2b(repr((SEED, "cohort", round_idx)).encode(), digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63)
+    return sorted(torch.randperm(CLIENTS, generator=gen)[:PER_ROUND].tolist())
+
+
+def test_sampler_cohort_is_the_seeded_permutations_first_clients() -> None:
+    sampler = ClientSampler(CLIENTS, PER_ROUND, SEED)
+    cohorts = [sampler.sample(r).tolist() for r in range(6)]
+    assert cohorts == [_cohort(r) for r in range(6)]
+    assert len({tuple(c) for c in cohorts}) > 1  # the rounds' cohorts differ
+
+
+def test_round_loader_yields_each_round_once_and_restarts_at_zero() -> None:
+    loader = RoundLoader(ClientSampler(CLIENTS, PER_ROUND, SEED), 3)
+    for _ in range(2):  # a second pass (e.g. a second fit) starts from round 0 again
+        items = list(loader)
+        assert [int(b["round"]) for b in items] == [0, 1, 2]
+        assert [b["clients"].tolist() for b in items] == [_cohort(r) for r in range(3)]
+        assert loader.state_dict() == {"next_round": 0}
+
+
+def test_round_loader_resumes_from_its_saved_round() -> None:
+    loader = RoundLoader(ClientSampler(CLIENTS, PER_ROUND, SEED), 4)
+    loader.load_state_dict({"next_round": 2})
+    assert [int(b["round"]) for b in loader] == [2, 3]
+    assert [int(b["round"]) for b in loader] == [0, 1, 2, 3]

@@ -1,0 +1,1 @@
+"""Builders and references shared by the tests (imported as ``tests.helpers.<module>``)."""
