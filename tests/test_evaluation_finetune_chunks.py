@@ -8,12 +8,20 @@ client's head, a chunk that skipped or repeated a client, or a result list of th
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import assert_close_finite
 from torch import Tensor, nn
 
 from fl_lightning.client import Params, select
+from fl_lightning.engine import evaluation
 from fl_lightning.engine.evaluation import FineTune, _finetune_heads
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_finetune_heads`` builds its contexts with ``executor.vector_context(module, ...)``: the stand-in's."""
+    monkeypatch.setattr(evaluation, "vector_context", lambda module, *args, **kw: module.vector_context(*args, **kw))
 
 
 class _Context:

@@ -22,6 +22,7 @@ from torch import Tensor
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.executor import simulate_faults
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP
@@ -47,7 +48,7 @@ def test_dropout_and_stragglers_follow_the_clients_seeded_coins() -> None:
     """p = 0.5 for both: the failed and the slow positions among ``mine`` (every other position) are those whose
     own coin is below 0.5; the two coins of a client are different draws."""
     mine = list(range(0, 60, 2))
-    failed, slow = _module(client_dropout=0.5, stragglers=0.5).simulate_faults(ROUND, COHORT, mine)
+    failed, slow = simulate_faults(_module(client_dropout=0.5, stragglers=0.5), ROUND, COHORT, mine)
     expected_failed = {j for j in mine if _coin("dropout", COHORT[j]) < 0.5}
     expected_slow = {j for j in mine if _coin("straggler", COHORT[j]) < 0.5}
     assert 0 < len(expected_failed) < len(mine) and 0 < len(expected_slow) < len(mine)
@@ -57,7 +58,7 @@ def test_dropout_and_stragglers_follow_the_clients_seeded_coins() -> None:
 
 
 def test_no_stragglers_without_a_straggler_probability() -> None:
-    failed, slow = _module(client_dropout=0.3).simulate_faults(ROUND, COHORT, list(range(60)))
+    failed, slow = simulate_faults(_module(client_dropout=0.3), ROUND, COHORT, list(range(60)))
     assert failed == {j for j in range(60) if _coin("dropout", COHORT[j]) < 0.3}
     assert slow == set()
 
@@ -67,7 +68,7 @@ def test_a_coin_equal_to_the_probability_does_not_fault() -> None:
     while every client whose coin is lower does."""
     mine = list(range(60))
     p_drop, p_slow = _coin("dropout", COHORT[0]), _coin("straggler", COHORT[1])
-    failed, slow = _module(client_dropout=p_drop, stragglers=p_slow).simulate_faults(ROUND, COHORT, mine)
+    failed, slow = simulate_faults(_module(client_dropout=p_drop, stragglers=p_slow), ROUND, COHORT, mine)
     assert 0 not in failed and 1 not in slow
     assert failed == {j for j in mine if _coin("dropout", COHORT[j]) < p_drop}
     assert slow == {j for j in mine if _coin("straggler", COHORT[j]) < p_slow}

@@ -1,7 +1,8 @@
 """FederatedModule's configuration: the argument checks of ``__init__`` (each boundary accepted and refused),
 what it stores and hands on (client/server optimisers, schedules, hyperparameters, initial run state), and the
 set-up hooks (``setup``, ``_schedule_validation``, ``on_fit_start``, ``data_dtype``, ``on_train_batch_start``,
-``validation_metric_names``, ``_check_monitored_keys``), driven directly with a stand-in trainer."""
+``evaluation.validation_metric_names``, ``evaluation.check_monitored_keys``), driven directly with a stand-in
+trainer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from torch import nn
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.engine.client_data import FederatedData
-from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.evaluation import FineTune, check_monitored_keys, validation_metric_names
+from fl_lightning.engine.executor import decide
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
@@ -186,12 +188,12 @@ def test_vectorized_fallback_is_logged_once(caplog: pytest.LogCaptureFixture) ->
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     module = FederatedModule(FedAvg(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert caplog.text.count("falls back to 'sequential'") == 1
 
 
-# ---- validation_metric_names and _check_monitored_keys -----------------------------------------------------
+# ---- validation_metric_names and check_monitored_keys -----------------------------------------------------
 CLASSIFICATION_NAMES = {
     "val/acc_mean",
     "val/acc_last10",
@@ -207,25 +209,25 @@ REGRESSION_NAMES = {"val/mse_mean", "val/mse_last10", "val/mse_std", "val/mse_wo
 def test_validation_metric_names_classification() -> None:
     module = make_module()
     module.fed = digits_fed()
-    assert module.validation_metric_names() == CLASSIFICATION_NAMES
+    assert validation_metric_names(module.fed, module.net) == CLASSIFICATION_NAMES
 
 
 def test_validation_metric_names_regression() -> None:
     module = FederatedModule(FedAvg(1), nn.Linear(4, 1))
     module.fed = regression_fed()
-    assert module.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(module.fed, module.net) == REGRESSION_NAMES
 
 
 def test_dist_b_needs_both_b_star_and_a_representation() -> None:
     b_star = torch.eye(4)[:, :2]
     with_rep = FederatedModule(FedAvg(1), LinearRepresentation(dim=4, rank=2))
     with_rep.fed = regression_fed({"B_star": b_star})
-    assert with_rep.validation_metric_names() == REGRESSION_NAMES | {"val/dist_B"}
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES | {"val/dist_B"}
     with_rep.fed = regression_fed()  # a representation but no ground truth
-    assert with_rep.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES
     plain = FederatedModule(FedAvg(1), nn.Linear(4, 1))  # ground truth but no representation
     plain.fed = regression_fed({"B_star": b_star})
-    assert plain.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(plain.fed, plain.net) == REGRESSION_NAMES
 
 
 def attached(module: FederatedModule, **trainer: Any) -> FederatedModule:
@@ -238,7 +240,8 @@ def test_monitoring_a_logged_key_is_accepted() -> None:
     module.fed = digits_fed()
     callbacks = [SimpleNamespace(monitor=k) for k in sorted(CLASSIFICATION_NAMES)]
     callbacks += [SimpleNamespace(monitor="train/loss"), SimpleNamespace(monitor=None), SimpleNamespace()]
-    attached(module, callbacks=callbacks)._check_monitored_keys()
+    attached(module, callbacks=callbacks)
+    check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
 
 
 @pytest.mark.parametrize("monitor", ["val/mse_mean", "val/nope"])
@@ -247,7 +250,7 @@ def test_monitoring_a_val_key_that_is_never_logged_is_refused(monitor: str) -> N
     module.fed = digits_fed()
     attached(module, callbacks=[SimpleNamespace(monitor=monitor)])
     with pytest.raises(ConfigError, match="which is never logged"):
-        module._check_monitored_keys()
+        check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
 
 
 # ---- set-up hooks -------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from fl_lightning.algorithms import FedAvg, FedRep
+from fl_lightning.engine.checkpoint import checkpoint_mismatch, identity
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
@@ -49,8 +50,8 @@ class Nets:
 
 # ---- identity ----------------------------------------------------------------------------------------------
 def test_identity_names_the_algorithm_and_network_classes_in_full() -> None:
-    assert FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,))).identity() == {"algorithm": FEDAVG, "network": DIGITS}
-    tiny = FederatedModule(FedAvg(1), Nets.Tiny()).identity()
+    assert identity(FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))) == {"algorithm": FEDAVG, "network": DIGITS}
+    tiny = identity(FederatedModule(FedAvg(1), Nets.Tiny()))
     assert tiny == {"algorithm": FEDAVG, "network": f"{__name__}.Nets.Tiny"}
 
 
@@ -58,21 +59,21 @@ def test_identity_names_the_algorithm_and_network_classes_in_full() -> None:
 def test_a_checkpoint_of_the_same_model_fits() -> None:
     module = fedrep(4)
     state = fedrep(4).state_dict()
-    assert module.checkpoint_mismatch({"state_dict": state}) is None  # older checkpoints: no identity
-    assert module.checkpoint_mismatch({"state_dict": state, "fl_identity": module.identity()}) is None
+    assert checkpoint_mismatch(module, {"state_dict": state}) is None  # older checkpoints: no identity
+    assert checkpoint_mismatch(module, {"state_dict": state, "fl_identity": identity(module)}) is None
 
 
 def test_a_checkpoint_of_another_algorithm_and_network_names_both_short() -> None:
     module = fedrep(4)
     theirs = {"algorithm": "pkg.algos.fedavg.FedAvg", "network": "pkg.models.cnn.Nets.CNN"}
-    message = module.checkpoint_mismatch({"state_dict": module.state_dict(), "fl_identity": theirs})
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
     assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
 
 
 def test_a_checkpoint_identity_without_module_paths_is_named_as_is() -> None:
     module = fedrep(4)
     theirs = {"algorithm": "FedAvg", "network": "CNN"}  # written by hand, not by identity()
-    message = module.checkpoint_mismatch({"state_dict": module.state_dict(), "fl_identity": theirs})
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
     assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
 
 
@@ -80,28 +81,28 @@ def test_a_checkpoint_with_missing_or_unexpected_entries() -> None:
     module = fedrep(4)
     keys = list(module.state_dict())  # net.body.fc1.weight, net.body.fc1.bias, net.head.weight, ...
     assert len(keys) >= 4
-    assert module.checkpoint_mismatch({}) == (
+    assert checkpoint_mismatch(module, {}) == (
         f"the checkpoint does not fit this model (missing: {keys[:3]}, unexpected: [])"
     )
     saved = dict(module.state_dict())
     del saved[keys[1]]
-    assert module.checkpoint_mismatch({"state_dict": saved}) == (
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
         f"the checkpoint does not fit this model (missing: {[keys[1]]}, unexpected: [])"
     )
     extra = {**module.state_dict(), **{f"x{i}": torch.zeros(1) for i in range(5)}}
-    assert module.checkpoint_mismatch({"state_dict": extra}) == (
+    assert checkpoint_mismatch(module, {"state_dict": extra}) == (
         "the checkpoint does not fit this model (missing: [], unexpected: ['x0', 'x1', 'x2'])"
     )
 
 
 def test_a_checkpoint_with_another_number_of_clients() -> None:
-    assert fedrep(4).checkpoint_mismatch({"state_dict": fedrep(5).state_dict()}) == (
+    assert checkpoint_mismatch(fedrep(4), {"state_dict": fedrep(5).state_dict()}) == (
         "the checkpoint has 5 clients, this config 4"
     )
 
 
 def test_a_checkpoint_with_another_layer_size_names_the_first_entry() -> None:
-    message = fedrep(4, hidden=4).checkpoint_mismatch({"state_dict": fedrep(4, hidden=5).state_dict()})
+    message = checkpoint_mismatch(fedrep(4, hidden=4), {"state_dict": fedrep(4, hidden=5).state_dict()})
     assert message == (
         "the checkpoint does not fit this model: net.body.fc1.weight has shape [5, 64] there and [4, 64] here"
     )
@@ -111,7 +112,7 @@ def test_a_bank_entry_whose_row_shape_differs_is_a_shape_error() -> None:
     module = fedrep(4)
     saved = dict(module.state_dict())
     saved["bank.head__weight"] = torch.zeros(4, 10, 3)
-    assert module.checkpoint_mismatch({"state_dict": saved}) == (
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
         "the checkpoint does not fit this model: bank.head__weight has shape [4, 10, 3] there and [4, 10, 4] here"
     )
 
@@ -200,7 +201,7 @@ def test_load_checkpoint_restores_the_run_state(caplog: pytest.LogCaptureFixture
     module.trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
     history = [{"round": 1.0, "val/acc_mean": 0.25}]
     checkpoint = {
-        "state_dict": module.state_dict(), "fl_identity": module.identity(), "fl_history": history,
+        "state_dict": module.state_dict(), "fl_identity": identity(module), "fl_history": history,
         "global_step": 7, "fl_upload_bytes": 99.0, "fl_wall_s": 12.5, "fl_skips_validation_of": None,
     }  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):

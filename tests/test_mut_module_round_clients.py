@@ -25,6 +25,7 @@ from datamodules import SyntheticLinearDataModule
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.engine import aggregation
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.executor import decide
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP, LinearRepresentation
 
@@ -126,7 +127,7 @@ def test_kept_optimizer_state_goes_in_through_the_context_and_comes_back_in_the_
     """With ``keep_client_optimizer_state``: the algorithm sees its own state only, the context the kept rows;
     each client's new state is the algorithm's (2·old) plus the kept rows the context ends with (old + 1)."""
     module = _module(True, executor)
-    assert module.vectorized() is (executor == "vectorized")
+    assert decide(module, len([2, 0, 3])).stacked is (executor == "vectorized")
     clients, budgets = [2, 0, 3], [1.0, 0.25, 0.5]
     glob = _glob(module)
     before = [_bank_row(module, c) for c in clients]
@@ -259,6 +260,7 @@ def faulty_fit() -> dict[str, Any]:
         stragglers=STRAGGLERS,
         straggler_budget=BUDGET,
         eval_every=100,
+        executor="sequential",  # the recorder reads ctx.client: the reference loop's context
     )
     logged: list[dict[str, Any]] = []
     original_log_dict = module.log_dict

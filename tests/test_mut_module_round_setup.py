@@ -1,11 +1,12 @@
-"""``FederatedModule.attach_data``, ``client_context`` and ``vectorized`` called directly on tiny hand-built data.
+"""``FederatedModule.attach_data``, ``executor.client_context`` and ``executor.decide`` called directly on tiny
+hand-built data.
 
 ``attach_data`` binds the data once per federation size (re-attaching the same size keeps the client-state bank),
 adds the kept client-optimiser state to the bank when asked, places the bank and the per-client scores on the
 module's device (``meta`` stands in for an accelerator), tells DDP to ignore the bank's buffers, hands the ground
 truth to the algorithm and describes the side-information branch in the privacy ledger. ``client_context`` gives a
 client its own rows of the chosen split, its side vector, the augmentation on training data only, the run's seed
-and the straggler budget. ``vectorized`` decides whether the fast executor applies and logs a fallback once.
+and the straggler budget. ``decide`` says whether the stacked path applies and logs a fallback once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.executor import client_context, decide
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import Concat, SplitModel
@@ -182,7 +184,7 @@ def attached() -> tuple[FederatedModule, FederatedData]:
 def test_training_context_reads_the_clients_training_rows(attached: tuple[FederatedModule, FederatedData]) -> None:
     """Defaults: the training split, the augmentation, a full step budget, the run's seed, the client's side."""
     module, fed = attached
-    ctx = module.client_context(2, 3)
+    ctx = client_context(module, 2, 3)
     lo, hi = _rows(TRAIN_SIZES, 2)
     assert_close_finite(ctx.x, fed.train.x[lo:hi])
     assert torch.equal(ctx.y, fed.train.y[lo:hi])
@@ -193,7 +195,7 @@ def test_training_context_reads_the_clients_training_rows(attached: tuple[Federa
 
 def test_test_context_reads_the_test_rows_without_augmentation(attached: tuple[FederatedModule, FederatedData]) -> None:
     module, fed = attached
-    ctx = module.client_context(1, 0, split="test", tag="eval", step_budget=0.25)
+    ctx = client_context(module, 1, 0, split="test", tag="eval", step_budget=0.25)
     lo, hi = _rows(TEST_SIZES, 1)
     assert ctx.x.shape[0] == TEST_SIZES[1]
     assert_close_finite(ctx.x, fed.test.x[lo:hi])
@@ -206,7 +208,7 @@ def test_test_context_reads_the_test_rows_without_augmentation(attached: tuple[F
 def test_context_without_side_data_has_no_side() -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))
     module.attach_data(_fed(4, side=False))
-    assert module.client_context(0, 0).side is None
+    assert client_context(module, 0, 0).side is None
 
 
 # ---- vectorized ----------------------------------------------------------------------------------------------
@@ -217,15 +219,15 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_vectorized_applies_to_a_vectorizable_method_without_batchnorm(caplog: pytest.LogCaptureFixture) -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is True
-        assert module.vectorized() is True
+        assert decide(module, 2).stacked is True
+        assert decide(module, 2).stacked is True
     assert _warnings(caplog) == []
 
 
 def test_sequential_executor_is_never_vectorized(caplog: pytest.LogCaptureFixture) -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), executor="sequential")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == []
 
 
@@ -238,8 +240,8 @@ def test_a_subclass_must_declare_vectorizable_itself_and_the_fallback_is_logged_
 ) -> None:
     module = FederatedModule(_Inherits(1), DigitsMLP(hidden=(4,)), executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == [
         "executor 'vectorized' falls back to 'sequential': _Inherits is not marked vectorizable"
     ]
@@ -249,6 +251,6 @@ def test_batchnorm_network_falls_back_with_its_reason(caplog: pytest.LogCaptureF
     net = nn.Sequential(nn.Linear(64, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
     module = FederatedModule(FedAvg(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == ["executor 'vectorized' falls back to 'sequential': the network has BatchNorm layers"]
