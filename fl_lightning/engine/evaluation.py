@@ -4,7 +4,7 @@ own test split, and the papers' metrics are computed from the per-client numbers
 Validation reads each client's validation split when the DataModule carved one (``data.val_fraction`` > 0)
 and its test split otherwise (what the papers report); ``test`` always reads the test split.
 
-In Lightning terms this is the validation loop. The validation "dataloader" (``ClientChunks``) yields chunks
+In Lightning terms this is the validation loop. The validation "dataloader" (``rounds.ClientChunks``) yields chunks
 of this rank's client ids; ``FederatedModule.validation_step`` scores a chunk with ``evaluate_clients`` into
 ``PerClientScores`` (per-client sums, sum-reduced over ranks); ``on_validation_epoch_end`` turns them into a
 ``ClientEvaluation`` and logs ``validation_metrics``: the mean of the per-client accuracies (FedRep, spec 000
@@ -14,8 +14,7 @@ representation the principal-angle distance to the true representation (spec 000
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,16 +26,15 @@ from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.executor import Workload, choose_path, client_context, vector_context
+from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks
 from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, stack
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
+__all__ = ["CLIENTS_PER_STEP", "ClientChunks", "ClientEvaluation", "FineTune", "client_chunks", "evaluate_clients"]
+
 #: a ``FederatedModule`` (not imported: it imports this file)
 Module = Any
-
-#: clients per ``validation_step`` (one progress tick); the shared-body fast path computes features per chunk
-CLIENTS_PER_STEP = 256
-
 
 @dataclass
 class FineTune:
@@ -45,33 +43,6 @@ class FineTune:
 
     epochs: int = 10
     prefixes: tuple[str, ...] = ("head.",)
-
-
-class ClientChunks:
-    """The validation/test "dataloader": this rank's clients ``c ≡ rank (mod world)`` in chunks of ``size``.
-
-    Every rank yields the same number of chunks (the last ones may be short or empty): under DDP each
-    ``validation_step`` is a forward of the wrapped module, which syncs buffers across ranks.
-    """
-
-    def __init__(self, num_clients: int, rank: int = 0, world: int = 1, size: int = CLIENTS_PER_STEP) -> None:
-        self.clients = list(range(rank, num_clients, world))
-        self.size = size
-        self.num_chunks = max(1, math.ceil(math.ceil(num_clients / world) / size))
-
-    def __len__(self) -> int:
-        return self.num_chunks
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for i in range(self.num_chunks):
-            yield self.clients[i * self.size : (i + 1) * self.size]
-
-
-def client_chunks(num_clients: int, trainer: Any = None) -> ClientChunks:
-    """``ClientChunks`` for the trainer's rank (all clients on one process)."""
-    if trainer is None:
-        return ClientChunks(num_clients)
-    return ClientChunks(num_clients, trainer.global_rank, trainer.world_size)
 
 
 @dataclass
