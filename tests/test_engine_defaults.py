@@ -1,7 +1,7 @@
 """The documented defaults of the engine's entry points, which every config that leaves a setting out gets:
 ``FederatedModule``'s (spec 000 §3.2: client SGD with lr 0.01, momentum 0.5, batch 10; samples-weighted
-aggregation; the sequential executor; the mean of the last 10 evaluations; no kept client optimiser state;
-plain server SGD), plus ``steps_per_epoch``'s ``min_batch`` and a ledger's description
+aggregation; ``auto``, the executor ``executor.choose_path`` picks; the mean of the last 10 evaluations; no kept
+client optimiser state; plain server SGD), plus ``steps_per_epoch``'s ``min_batch`` and a ledger's description
 without a declaration."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_federated_module_defaults() -> None:
     """The defaults as the module keeps them (client optimiser, aggregation, executor, server SGD, …)."""
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))
     assert module.client_optimizer == ClientOptimizer(0.01, 0.5, 0.0, 10, True, None)
-    assert (module.aggregation, module.executor, module.eval_last) == ("num_samples", "sequential", 10)
+    assert (module.aggregation, module.executor, module.eval_last) == ("num_samples", "auto", 10)
     assert module.keep_client_optimizer_state is False
     rounds = module.round_optimizers
     assert (rounds.server_lr, rounds.server_momentum) == (1.0, 0.0)

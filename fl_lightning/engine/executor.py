@@ -1,13 +1,15 @@
 """How a round's clients run: the one place that chooses between the sequential loop and the stacked path.
 
 ``choose_path`` decides from the algorithm, the network, the device and the workload (how many clients run at
-once, with which client optimiser), under ``model.executor``:
+once, with which client optimiser and augmentation), under ``model.executor``:
 
 * ``sequential``: the reference loop (``fl_lightning.client.ClientContext``, one client after another);
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
-* ``auto`` (the default): the stacked path where it can run and wins on the device, else the loop, said once at
-  INFO ("executor: stacked (reason)" / "executor: sequential (reason)").
+* ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
+  else the loop, said once at INFO ("executor: stacked (reason)" / "executor: sequential (reason)"). Where the
+  stacked path would only run its clients in turn (a client optimiser without a batched form, recurrent layers,
+  an augmentation that cannot draw ahead) ``auto`` runs the loop.
 
 Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluation``) and the run axis
 (``fl_lightning.engine.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
@@ -25,13 +27,14 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, ClientOptimizer, Params, factory_name, split_state
+from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import (
     VectorizedContext,
     batched_rule,
     has_batchnorm,
+    has_rnn,
     per_sample_loss_for,
     stack,
     unstack,
@@ -55,11 +58,12 @@ log = logging.getLogger("fl_lightning")
 ExecutorName = Literal["auto", "sequential", "vectorized"]
 
 #: ``auto`` on these devices runs the loop below this many clients at once. Measured on the 2-core development
-#: CPU (one thread; ``time.process_time`` per round of ``run_clients``, median of 8 rounds, sequential / stacked):
-#: DigitsMLP FedAvg 1 epoch, 70 samples per client: 1 client 0.82, 2 clients 1.44-1.47, 4 clients 2.46-2.52;
-#: 10 samples per client: 1 client 0.60, 2 clients 1.21, 4 clients 1.89, 10 clients 3.56; the quickstart (FedRep
-#: 10+1 epochs, 4 clients) 4.31. Command: ``OMP_NUM_THREADS=1 python -m benchmarks.executor_auto``.
-#: Other devices (not measured yet): the stacked path from one client on.
+#: CPU under load from other jobs (one thread; ``time.process_time`` per round of ``run_clients``, median of 8
+#: rounds; ratio sequential / stacked, two runs): DigitsMLP FedAvg 1 epoch on the digits split (~72 samples per
+#: client): 1 client 0.82-0.91, 2 clients 1.44-1.48, 4 clients 2.46-2.61; 10 samples per client: 1 client
+#: 0.60-0.70, 2 clients 1.03-1.21, 4 clients 1.89-1.97, 10 clients 3.07-3.56; FedRep 2+1 epochs, 1 client 0.73,
+#: 2 clients 1.40; the quickstart (FedRep 10+1 epochs, 4 clients) 4.31-4.56. Command:
+#: ``OMP_NUM_THREADS=1 python -m benchmarks.executor_auto``. Other devices (not measured yet): stacked from 1 client.
 MIN_STACKED_CLIENTS: dict[str, int] = {"cpu": 2}
 
 
@@ -85,6 +89,7 @@ class Workload:
     clients: int
     optimizer: ClientOptimizer | None = None
     evaluation: bool = False  #: scoring (and "+FT"): the algorithm's ``client_update`` does not run
+    augment: Any = None  #: the training augmentation (``FederatedData.augment``)
 
 
 @dataclass(frozen=True)
@@ -131,16 +136,21 @@ def choose_path(
         return Decision("sequential", blocker, fallback=executor == "vectorized")
     if executor == "vectorized":
         return Decision("stacked", "model.executor: vectorized")
+    # where the stacked path would run its clients in turn anyway (and warn), auto runs the loop
     if workload.optimizer is not None and batched_rule(workload.optimizer) is None:
         name = factory_name(workload.optimizer.factory)
         return Decision("sequential", f"client optimizer {name} has no batched form")
-    kind = torch.device(device).type
+    if not workload.evaluation and has_rnn(net):
+        return Decision("sequential", "recurrent layers (LSTM) have no batched form")
+    if workload.augment is not None and not draws_ahead(workload.augment):
+        return Decision("sequential", "the augmentation cannot draw ahead")
+    kind, k = torch.device(device).type, workload.clients
     least = MIN_STACKED_CLIENTS.get(kind, 1)
-    if workload.clients < least:
-        return Decision(
-            "sequential", f"{workload.clients} client at a time on the {kind}: the loop is faster below {least}"
-        )
-    return Decision("stacked", f"{type(algorithm).__name__} is vectorizable, {workload.clients} clients at a time")
+    at_once = f"{k} client{'' if k == 1 else 's'} at a time on the {kind}"
+    if k < least:
+        return Decision("sequential", f"{at_once}: the loop is faster below {least}")
+    what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
+    return Decision("stacked", f"{what}, {at_once}")
 
 
 def planned_clients(module: FederatedRun, clients: int) -> int:
@@ -157,7 +167,9 @@ def planned_clients(module: FederatedRun, clients: int) -> int:
 def decide(module: FederatedRun, clients: int) -> Decision:
     """The training path of ``module``'s rounds (``clients`` run at once), said once per module: INFO, or the
     WARNING of a ``vectorized`` that falls back."""
-    workload = Workload(planned_clients(module, clients), module.round_optimizers.client_settings())
+    fed = module.fed
+    augment = None if fed is None else fed.augment
+    workload = Workload(planned_clients(module, clients), module.round_optimizers.client_settings(), augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
     if not getattr(module, "_executor_logged", False):
         module._executor_logged = True
