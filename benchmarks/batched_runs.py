@@ -4,7 +4,7 @@
 
 * ``digits_fedrep``: FedRep on the quickstart split (``configs/quickstart.yaml``: 20 digits clients, 4 per round,
   10 head + 1 body epochs, batch 10, DigitsMLP), ``--seeds`` seeds. Reference: the seeds' ``train.py`` runs one
-  after another in this process (``fl_lightning.cli.train_config``), with the config's executor (sequential) and
+  after another in this process (``fl_lightning.cli.train_config``), with ``--model.executor sequential`` and
   with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.engine.run_axis``). Each
   seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
 * ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after

@@ -51,6 +51,7 @@ from datamodules.augment import CropFlip
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.engine import stacked as executors
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
+from fl_lightning.engine.executor import client_context, vector_context
 from fl_lightning.engine.host_syncs import count_host_reads
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler
@@ -345,10 +346,10 @@ def fedrep_phases(bench: Bench) -> None:
         for executor, module in modules.items():
             glob = module.global_params()
             if executor == "sequential":
-                contexts = [module.client_context(c, r) for c in cohort]
+                contexts = [client_context(module, c, r) for c in cohort]
                 params = [{**glob, **module.bank.get(c)} for c in cohort]
             else:
-                contexts = [module.vector_context(cohort, r, [1.0] * len(cohort))]
+                contexts = [vector_context(module, cohort, r, [1.0] * len(cohort))]
                 params = [{**{n: v.expand(len(cohort), *v.shape) for n, v in glob.items()},
                            **module.bank.gather(torch.tensor(cohort, device=bench.device))}]  # fmt: skip
             for phase, names, epochs in (("head phase", ("head.",), head), ("body phase", (), 1)):
@@ -394,7 +395,7 @@ def conv_clients(bench: Bench) -> None:
         module.fed = fed
         spent = []
         for r in range(bench.args.rounds + 1):
-            ctx = module.vector_context(list(range(10)), r, [1.0] * 10)
+            ctx = vector_context(module, list(range(10)), r, [1.0] * 10)
             ctx.loop_over_clients = strategy == "loop"
             params = {**{n: v.expand(10, *v.shape) for n, v in glob.items()}, **heads}
             synchronize(bench.device)

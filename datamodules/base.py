@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
-from fl_lightning.engine.evaluation import ClientChunks, client_chunks
-from fl_lightning.engine.rounds import ClientSampler, RoundLoader
+from fl_lightning.engine.rounds import ClientChunks, ClientSampler, RoundLoader, client_chunks
 from fl_lightning.errors import ConfigError
 
 VAL_SALT = 90_001  # the validation split's random stream: independent of the partition's

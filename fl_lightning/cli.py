@@ -458,9 +458,11 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
     """A checkpoint of another algorithm, network or number of clients: one line naming the difference."""
     import torch
 
+    from fl_lightning.engine.checkpoint import checkpoint_mismatch
+
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     module.attach_data(datamodule.federated)
-    problem = module.checkpoint_mismatch(checkpoint)
+    problem = checkpoint_mismatch(module, checkpoint)
     if problem:
         raise ConfigError(f"--ckpt_path {path}: {problem}")
 

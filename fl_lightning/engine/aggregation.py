@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -253,3 +254,22 @@ def server_step(
                 buffers[n].copy_(add_delta(buffers[n], delta))
         extra = {n: v for n, v in mean_update.items() if n not in params and n not in buffers}
         algorithm.server_update({**params, **buffers}, extra, round_idx)
+
+
+class TrainingDiverged(RuntimeError):
+    """The global model became NaN/Inf (the last good state is checkpointed)."""
+
+
+def check_finite(net: nn.Module, backup: Params, trainer: Any, round_idx: int) -> None:
+    """Stop with a one-line error if the global model turned non-finite, after restoring ``backup`` (the model
+    before the round) and saving it as ``checkpoints/last_good_roundNNNNN.ckpt``."""
+    if bool(torch.stack([torch.isfinite(p).all() for p in net.parameters()]).all()):  # one read
+        return
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(backup[n])
+    path = Path(trainer.default_root_dir) / "checkpoints" / f"last_good_round{round_idx:05d}.ckpt"
+    trainer.save_checkpoint(str(path))
+    raise TrainingDiverged(
+        f"round {round_idx}: the global model became non-finite; the state before this round is saved at {path}"
+    )

@@ -4,7 +4,7 @@ own test split, and the papers' metrics are computed from the per-client numbers
 Validation reads each client's validation split when the DataModule carved one (``data.val_fraction`` > 0)
 and its test split otherwise (what the papers report); ``test`` always reads the test split.
 
-In Lightning terms this is the validation loop. The validation "dataloader" (``ClientChunks``) yields chunks
+In Lightning terms this is the validation loop. The validation "dataloader" (``rounds.ClientChunks``) yields chunks
 of this rank's client ids; ``FederatedModule.validation_step`` scores a chunk with ``evaluate_clients`` into
 ``PerClientScores`` (per-client sums, sum-reduced over ranks); ``on_validation_epoch_end`` turns them into a
 ``ClientEvaluation`` and logs ``validation_metrics``: the mean of the per-client accuracies (FedRep, spec 000
@@ -14,10 +14,9 @@ representation the principal-angle distance to the true representation (spec 000
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,15 +25,16 @@ from torch.func import functional_call
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params
 from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.executor import Workload, choose_path, client_context, vector_context
+from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks
 from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, stack
+from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
-if TYPE_CHECKING:
-    from fl_lightning.engine.module import FederatedModule
+__all__ = ["CLIENTS_PER_STEP", "ClientChunks", "ClientEvaluation", "FineTune", "client_chunks", "evaluate_clients"]
 
-#: clients per ``validation_step`` (one progress tick); the shared-body fast path computes features per chunk
-CLIENTS_PER_STEP = 256
-
+#: a ``FederatedModule`` (not imported: it imports this file)
+Module = Any
 
 @dataclass
 class FineTune:
@@ -43,33 +43,6 @@ class FineTune:
 
     epochs: int = 10
     prefixes: tuple[str, ...] = ("head.",)
-
-
-class ClientChunks:
-    """The validation/test "dataloader": this rank's clients ``c ≡ rank (mod world)`` in chunks of ``size``.
-
-    Every rank yields the same number of chunks (the last ones may be short or empty): under DDP each
-    ``validation_step`` is a forward of the wrapped module, which syncs buffers across ranks.
-    """
-
-    def __init__(self, num_clients: int, rank: int = 0, world: int = 1, size: int = CLIENTS_PER_STEP) -> None:
-        self.clients = list(range(rank, num_clients, world))
-        self.size = size
-        self.num_chunks = max(1, math.ceil(math.ceil(num_clients / world) / size))
-
-    def __len__(self) -> int:
-        return self.num_chunks
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for i in range(self.num_chunks):
-            yield self.clients[i * self.size : (i + 1) * self.size]
-
-
-def client_chunks(num_clients: int, trainer: Any = None) -> ClientChunks:
-    """``ClientChunks`` for the trainer's rank (all clients on one process)."""
-    if trainer is None:
-        return ClientChunks(num_clients)
-    return ClientChunks(num_clients, trainer.global_rank, trainer.world_size)
 
 
 @dataclass
@@ -143,11 +116,57 @@ def main_metric(fed: FederatedData, prefix: str = "val") -> str:
     return f"{prefix}/mse_mean" if fed.num_classes is None else f"{prefix}/acc_mean"
 
 
+def validation_metric_names(fed: FederatedData, net: nn.Module) -> set[str]:
+    """Every key ``FederatedModule.on_validation_epoch_end`` logs (a callback may monitor any of them)."""
+    key = main_metric(fed)
+    names = {key, key.replace("_mean", "_last10")}
+    spread = ("mse_std", "mse_worst10", "mse_max") if fed.num_classes is None else ("acc_std", "acc_worst10", "acc_min")
+    names |= {f"val/{k}" for k in spread}
+    if fed.num_classes is not None:
+        names |= {"val/acc_weighted", "val/loss"}
+    if "B_star" in fed.extras and hasattr(net, "representation"):
+        names.add("val/dist_B")
+    return names
+
+
+def check_monitored_keys(fed: FederatedData, net: nn.Module, callbacks: list[Any]) -> None:
+    """A callback that monitors a ``val/`` key that is never logged is a config error (named up front)."""
+    logged = validation_metric_names(fed, net)
+    for callback in callbacks:
+        monitor = getattr(callback, "monitor", None)
+        if isinstance(monitor, str) and monitor.startswith("val/") and monitor not in logged:
+            raise ConfigError(
+                f"{type(callback).__name__} monitors '{monitor}', which is never logged "
+                f"(validation logs: {', '.join(sorted(logged))})"
+            )
+
+
 def mean_of_last(history: list[dict[str, float]], key: str, count: int) -> float:
     """The mean of ``key`` over the last ``count`` evaluations (the papers' "last 10 rounds" average; all of
     them when ``count`` is 0)."""
     recent = [h[key] for h in history[-count:]]
     return sum(recent) / len(recent) if recent else float("nan")
+
+
+# ---- when to evaluate ----------------------------------------------------------------------------------------
+def in_last_rounds(trainer: Any, eval_last: int, round_idx: int) -> bool:
+    """Whether ``round_idx`` is one of the last ``eval_last`` rounds (always evaluated)."""
+    return round_idx >= trainer.max_steps - eval_last
+
+
+def validates_after(trainer: Any, eval_last: int, round_idx: int) -> bool:
+    """Whether Lightning's validation loop runs after round ``round_idx``: one of the last ``eval_last`` rounds,
+    or a round the trainer's ``val_check_interval`` (in rounds) falls on."""
+    if not trainer.enable_validation:
+        return False
+    if in_last_rounds(trainer, eval_last, round_idx):
+        return True
+    every = trainer.val_check_batch
+    if every is None:  # a time-based interval: not known in advance
+        return False
+    if every == float("inf"):
+        return round_idx == trainer.max_steps - 1
+    return (round_idx + 1) % int(every) == 0
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------
@@ -188,7 +207,7 @@ def score_client(
 
 
 def evaluate_clients(
-    module: FederatedModule,
+    module: Module,
     clients: list[int],
     round_idx: int,
     scores: PerClientScores,
@@ -204,13 +223,13 @@ def evaluate_clients(
     glob = module.global_params()
     state_of = state_of or module.bank.get
     with torch.inference_mode(False), torch.enable_grad():
-        if shared_body_applies(module, finetune):
+        if shared_body_applies(module, finetune, len(clients)):
             _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split)
         else:
             for c in clients:
                 params = algorithm.client_model(glob, state_of(c))
                 net.train()
-                ctx = module.client_context(c, round_idx, tag="evaluation")
+                ctx = client_context(module, c, round_idx, tag="evaluation")
                 params = algorithm.adapt_for_evaluation(ctx, params)
                 if finetune is not None:
                     params = algorithm.finetune(ctx, params, finetune.epochs, finetune.prefixes)
@@ -219,13 +238,61 @@ def evaluate_clients(
     net.train(was_training)
 
 
-def shared_body_applies(module: FederatedModule, finetune: FineTune | None) -> bool:
-    """The fast path applies when every client's model is (global body) + (its own head), and the body has no
+def evaluate_all(
+    module: Module,
+    round_idx: int,
+    finetune: FineTune | None = None,
+    state_of: Callable[[int], Params] | None = None,
+    split: str = "test",
+) -> dict[str, Tensor]:
+    """Evaluate all of this rank's clients now (outside the validation loop); per-client and mean scores."""
+    trainer = module._trainer
+    world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
+    mine = list(range(rank, module.fed.num_clients, world))
+    with torch.inference_mode(False):
+        module.client_scores.reset()
+        evaluate_clients(module, mine, round_idx, module.client_scores, finetune, state_of, split)
+        return module.client_scores.compute()
+
+
+def evaluate_new_clients(module: Module, round_idx: int, new: FederatedData) -> dict[str, Tensor]:
+    """Clients that never trained (FedRep Fig. 6, spec 004 transfer): each starts from the global model with a
+    fresh personal state (the initial personal parameters), fine-tunes ``module.new_client_finetune`` on its own
+    training data, and is evaluated on its own test data."""
+    saved = module.fed, module.client_scores
+    fresh = module.algorithm.init_client_state(module.global_params())
+    try:
+        module.fed = new.to(module.device, module.data_dtype())
+        module.client_scores = PerClientScores(new.num_clients).to(module.device)
+        return module.evaluate_clients(round_idx, module.new_client_finetune, state_of=lambda c: fresh)
+    finally:
+        module.fed, module.client_scores = saved
+
+
+def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, float]:
+    """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
+    out: dict[str, float] = {}
+    new = getattr(getattr(module._trainer, "datamodule", None), "new_clients", None)
+    if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
+        name, key = ("acc", "acc_mean") if module.fed.num_classes is not None else ("mse", "loss_mean")
+        out[f"final/new_clients_{name}"] = float(module.evaluate_new_clients(round_idx, new)[key])
+    if module.finetune is not None:
+        ft = module.evaluate_clients(round_idx, finetune=module.finetune, split=split)
+        out["final/acc_ft"] = float(ft["acc_mean"])
+        module.finetuned_clients = ClientEvaluation.from_scores(ft, round_idx)
+    return out
+
+
+def shared_body_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
+    """The fast path applies when the executor choice stacks ``clients`` evaluating at once
+    (``executor.choose_path``) and every client's model is (global body) + (its own head), and the body has no
     BatchNorm (whose training-mode statistics depend on how samples are batched, so "+FT" runs client by client)."""
     kind = type(module.algorithm)
     net = module.net
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    workload = Workload(clients, evaluation=True)
     return (
-        module.executor == "vectorized"
+        choose_path(module.algorithm, net, device, workload, module.executor).stacked
         and isinstance(getattr(net, "body", None), nn.Module)
         and getattr(net, "side", None) is None
         and not has_batchnorm(net)
@@ -240,7 +307,7 @@ def shared_body_applies(module: FederatedModule, finetune: FineTune | None) -> b
 
 @torch.no_grad()
 def _evaluate_with_shared_body(
-    module: FederatedModule,
+    module: Module,
     clients: list[int],
     glob: Params,
     round_idx: int,
@@ -277,14 +344,14 @@ def _evaluate_with_shared_body(
 
 
 def _finetune_heads(
-    module: FederatedModule, clients: list[int], glob: Params, heads: list[Params], round_idx: int, finetune: FineTune
+    module: Module, clients: list[int], glob: Params, heads: list[Params], round_idx: int, finetune: FineTune
 ) -> list[Params]:
     """ "+FT" for many clients at once (the frozen body's features are computed once per chunk)."""
     module.net.train()
     out: list[Params] = []
     for i in range(0, len(clients), 256):
         chunk = clients[i : i + 256]
-        ctx = module.vector_context(chunk, round_idx, [1.0] * len(chunk), tag="evaluation")
+        ctx = vector_context(module, chunk, round_idx, [1.0] * len(chunk), tag="evaluation")
         params = {n: v.expand(len(chunk), *v.shape) for n, v in glob.items()}
         params.update(stack(heads[i : i + 256]))
         tuned = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)

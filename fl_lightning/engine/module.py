@@ -5,8 +5,8 @@ One ``training_step`` is one communication round (manual optimisation), read top
 1. **sample**: the round loader gives the round index and the cohort (a pure function of ``(seed, round)``);
    this rank takes its share (``aggregation.assign_clients``: balanced by training samples, the same split on
    every rank) and draws which clients fail or straggle;
-2. **run clients**: the algorithm's ``client_update`` for each of them (``run_clients``: the sequential loop,
-   or all at once with the vectorized executor);
+2. **run clients**: the algorithm's ``client_update`` for each of them (``fl_lightning.engine.executor``: the
+   sequential loop, or all at once on the stacked path, whichever ``executor.choose_path`` picks);
 3. **aggregate**: weighted sums of the uploads and the new client-state rows, summed over ranks in one
    collective (``fl_lightning.engine.aggregation``);
 4. **scatter state**: the cohort's new rows go back into the client-state bank;
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -34,40 +33,29 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client import (
-    ClientContext,
     ClientOptimizer,
     LRSchedulerCallable,
     OptimizerCallable,
     Params,
     loss_fn_for,
-    select,
-    split_state,
     state_template,
 )
-from fl_lightning.engine import aggregation, evaluation
-from fl_lightning.engine.aggregation import CohortSums, RoundStats
+from fl_lightning.engine import aggregation, evaluation, executor
+from fl_lightning.engine import checkpoint as checkpoint_entries
+from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
+from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
-from fl_lightning.engine.rounds import make_generator
-from fl_lightning.engine.stacked import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
 from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 
-__all__ = ["FederatedModule", "FineTune", "TrainingDiverged"]
+__all__ = ["FP16_REFUSED", "FederatedModule", "FineTune", "TrainingDiverged"]
 
 log = logging.getLogger("fl_lightning")
-
-FP16_REFUSED = (
-    "trainer.precision 16-mixed is not supported: clients train inside one training_step without loss scaling "
-    "and Lightning's scaler would unscale a server update that was never scaled; use bf16-mixed or 32"
-)
-
-
-class TrainingDiverged(RuntimeError):
-    """The global model became NaN/Inf (the last good state is checkpointed)."""
 
 
 class FederatedModule(L.LightningModule):
@@ -92,8 +80,9 @@ class FederatedModule(L.LightningModule):
             ``straggler_budget`` of its local SGD steps and reports what it has.
         new_client_finetune: how held-out clients (``datamodule.new_clients``) adapt before they are evaluated
             at the end of training (default: 10 head epochs).
-        executor: ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.engine.stacked``: all
-            sampled clients at once, frozen-body features computed once, same results).
+        executor: ``auto`` (default: the stacked path where it runs and wins, else the loop; logged once),
+            ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.engine.stacked``: all sampled
+            clients at once, frozen-body features computed once, same results); ``executor.choose_path`` decides.
         client_optimizer: any ``torch.optim`` class with its init args (``{class_path: torch.optim.Adam,
             init_args: {lr: 0.001}}``); it then replaces ``lr``, ``momentum`` and ``weight_decay``.
         client_lr_schedule: a ``torch.optim.lr_scheduler`` class with its init args, stepped once per round: the
@@ -126,7 +115,7 @@ class FederatedModule(L.LightningModule):
         client_dropout: float = 0.0,
         stragglers: float = 0.0,
         straggler_budget: float = 0.5,
-        executor: Literal["sequential", "vectorized"] = "sequential",
+        executor: ExecutorName = "auto",
         new_client_finetune: FineTune | None = None,
         client_optimizer: OptimizerCallable | None = None,
         client_lr_schedule: LRSchedulerCallable | None = None,
@@ -135,26 +124,13 @@ class FederatedModule(L.LightningModule):
         server_lr_schedule: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__()
-        for name, value in {
-            "lr": lr,
-            "batch_size": batch_size,
-            "eval_every": 1 if eval_every is None else eval_every,
-            "server_lr": server_lr,
-        }.items():
-            if value <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {value}")
-        for name, value in {"client_dropout": client_dropout, "stragglers": stragglers}.items():
-            if not 0 <= value <= 1:
-                raise ConfigError(f"model.{name} is a probability in [0, 1], got {value}")
-        if not 0 < straggler_budget <= 1:
-            raise ConfigError(f"model.straggler_budget is a fraction in (0, 1], got {straggler_budget}")
-        if eval_last < 0 or momentum < 0 or weight_decay < 0:
-            raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
+        check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
+                       momentum, weight_decay)  # fmt: skip
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.executor = executor
         self.new_client_finetune = new_client_finetune or FineTune(epochs=10, prefixes=("head.",))
-        self._fallback_logged = False
+        self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
         self.client_optimizer = ClientOptimizer.from_config(
@@ -191,18 +167,8 @@ class FederatedModule(L.LightningModule):
         self.fed = fed
         glob = self.global_params()
         self.algorithm.check_compatible(self.net, fed.num_classes)
-        for prefix in self.algorithm.personal:
-            if not select(list(glob), [prefix]):
-                raise ConfigError(
-                    f"personal prefix '{prefix}' of {type(self.algorithm).__name__} matches no parameter of "
-                    f"{type(self.net).__name__} (parameters: {', '.join(n for n, _ in self.net.named_parameters())})"
-                )
         self.algorithm.set_frozen([n for n, p in self.net.named_parameters() if not p.requires_grad])
-        if self.algorithm.needs_uniform_aggregation and self.aggregation != "uniform":
-            raise ConfigError(
-                f"{type(self.algorithm).__name__} needs model.aggregation: uniform (its server keeps the exact mean "
-                f"of the clients' models), got {self.aggregation}"
-            )
+        check_algorithm_fits(self.algorithm, self.net, glob, self.aggregation)
         if self.bank is None or self.bank.num_clients != fed.num_clients:
             self.algorithm.setup(glob, fed.num_clients)
             template = self.algorithm.init_client_state(glob)
@@ -247,7 +213,7 @@ class FederatedModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self.fed = self.fed.to(self.device, self.data_dtype())
         self._fit_start = time.perf_counter()
-        self._check_monitored_keys()
+        evaluation.check_monitored_keys(self.fed, self.net, self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
         self.fed = self.fed.to(self.device, self.data_dtype())
@@ -260,105 +226,12 @@ class FederatedModule(L.LightningModule):
         (``fl_lightning.engine.optimizers``)."""
         return self.round_optimizers.configure([p for p in self.net.parameters() if p.requires_grad])
 
-    # ---- clients -----------------------------------------------------------------------------------------
-    def client_context(
-        self, client: int, round_idx: int, split: str = "train", tag: str = "train", step_budget: float = 1.0
-    ) -> ClientContext:
-        data = self.fed.train if split == "train" else self.fed.test
-        x, y = data.client(client)
-        return ClientContext(
-            self.net,
-            client,
-            x,
-            y,
-            None if self.fed.side is None else self.fed.side[client],
-            self.round_optimizers.client_settings(),
-            self.loss_fn,
-            make_generator(self.fed.seed, tag, round_idx, client),
-            self.fed.augment if split == "train" else None,
-            round_idx,
-            self.fed.seed,
-            step_budget,
-        )
-
-    def vectorized(self) -> bool:
-        """Whether the fast executor applies (else the sequential loop runs, and says so once)."""
-        if self.executor != "vectorized":
-            return False
-        reason = None
-        if not type(self.algorithm).__dict__.get("vectorizable", False):
-            reason = f"{type(self.algorithm).__name__} is not marked vectorizable"
-        elif has_batchnorm(self.net):
-            reason = "the network has BatchNorm layers"
-        if reason and not self._fallback_logged:
-            log.warning("executor 'vectorized' falls back to 'sequential': %s", reason)
-            self._fallback_logged = True
-        return reason is None
-
-    def vector_context(self, clients: list[int], round_idx: int, budgets: list[float], tag: str = "train"):
-        data = self.fed.train
-        pairs = [data.client(c) for c in clients]
-        return VectorizedContext(
-            self.net,
-            clients,
-            [x for x, _ in pairs],
-            [y for _, y in pairs],
-            None if self.fed.side is None else [self.fed.side[c] for c in clients],
-            self.round_optimizers.client_settings(),
-            per_sample_loss_for(self.fed.num_classes),
-            [make_generator(self.fed.seed, tag, round_idx, c) for c in clients],
-            self.fed.augment,
-            round_idx,
-            self.fed.seed,
-            budgets,
-        )
-
+    # ---- clients: fl_lightning.engine.executor decides and runs them ------------------------------------------
     def run_clients(
         self, clients: list[int], round_idx: int, glob: Params, states: list[Params], budgets: list[float]
     ) -> list[ClientUpdate]:
-        """Run the local updates: the sequential loop (the reference), or all clients at once. Kept client
-        optimiser state (``keep_client_optimizer_state``) travels in the contexts, not through the algorithm."""
-        if not clients:
-            return []
-        if self.run_axis is not None:  # batched with other runs of this process (fl_lightning.engine.run_axis)
-            return self.run_axis.run_clients(self, clients, round_idx, glob, states, budgets)
-        states, kept = zip(*(split_state(st) for st in states))
-        keep = self.keep_client_optimizer_state
-        if self.vectorized():
-            ctx = self.vector_context(clients, round_idx, budgets)
-            ctx.optimizer_state = stack(kept) if keep else None
-            expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}
-            upd = self.algorithm.client_update(ctx, expanded, stack(states) if states[0] else {})
-            new_kept = ctx.optimizer_state or {}
-            return [  # views of the stacked results: sizes from the host, losses stay on the device
-                ClientUpdate(
-                    unstack(upd.upload, k),
-                    {**unstack(upd.state, k), **unstack(new_kept, k)},
-                    ctx.num_samples[k],
-                    upd.loss[k],
-                    {name: v[k] for name, v in upd.metrics.items()},
-                )
-                for k in range(len(clients))
-            ]
-        updates = []
-        for c, st, kept_c, b in zip(clients, states, kept, budgets):
-            ctx = self.client_context(c, round_idx, step_budget=b)
-            ctx.optimizer_state = kept_c if keep else None
-            upd = self.algorithm.client_update(ctx, glob, st)
-            if keep:
-                upd.state = {**upd.state, **ctx.optimizer_state}
-            updates.append(upd)
-        return updates
-
-    def simulate_faults(self, round_idx: int, cohort: list[int], mine: list[int]) -> tuple[set[int], set[int]]:
-        """(failed, slow): the positions in ``mine`` whose client fails / straggles this round (seeded coins)."""
-
-        def coin(tag: str, j: int) -> float:
-            return float(torch.rand(1, generator=make_generator(self.fed.seed, tag, round_idx, cohort[j])))
-
-        failed = {j for j in mine if self.client_dropout and coin("dropout", j) < self.client_dropout}
-        slow = {j for j in mine if self.stragglers and coin("straggler", j) < self.stragglers}
-        return failed, slow
+        """The local updates of ``clients`` (``executor.run_clients``: the loop or the stacked path)."""
+        return executor.run_clients(self, clients, round_idx, glob, states, budgets)
 
     # ---- one round ---------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -370,7 +243,7 @@ class FederatedModule(L.LightningModule):
         cohort_states = self.bank.gather(batch["clients"].to(self.device))
         # each rank's clients, balanced by training samples; which of them report (the same on every rank)
         layout = aggregation.assign_clients(self.fed.train.host_sizes(cohort), self.trainer.world_size)
-        failed, slow = self.simulate_faults(round_idx, cohort, list(range(len(cohort))))
+        failed, slow = executor.simulate_faults(self, round_idx, cohort, list(range(len(cohort))))
         reporting = [[j for j in part if j not in failed] for part in layout]
         mine, active = layout[self.global_rank], reporting[self.global_rank]
         self.ledger.new_round(round_idx)
@@ -413,7 +286,7 @@ class FederatedModule(L.LightningModule):
         backup = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         self.algorithm.num_aggregated = int(sums.stats.survivors)
         aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, sums.mean_update(template), round_idx)
-        self._check_finite(backup, round_idx)
+        aggregation.check_finite(self.net, backup, self.trainer, round_idx)
 
     def _log_round(self, round_idx: int, stats: RoundStats) -> None:
         if self.client_dropout or self.stragglers or stats.non_finite:
@@ -435,42 +308,16 @@ class FederatedModule(L.LightningModule):
         self.upload_bytes += float(round_bytes)
         return self.upload_bytes
 
-    def _check_finite(self, backup: Params, round_idx: int) -> None:
-        """Stop with a one-line error if the global model turned non-finite, after saving the last good state."""
-        if bool(torch.stack([torch.isfinite(p).all() for p in self.net.parameters()]).all()):  # one read
-            return
-        with torch.no_grad():
-            for n, p in self.net.named_parameters():
-                p.copy_(backup[n])
-        path = Path(self.trainer.default_root_dir) / "checkpoints" / f"last_good_round{round_idx:05d}.ckpt"
-        self.trainer.save_checkpoint(str(path))
-        raise TrainingDiverged(
-            f"round {round_idx}: the global model became non-finite; the state before this round is saved at {path}"
-        )
-
-    # ---- when to evaluate --------------------------------------------------------------------------------
-    def in_last_rounds(self, round_idx: int) -> bool:
-        """Whether ``round_idx`` is one of the last ``eval_last`` rounds (always evaluated)."""
-        return round_idx >= self.trainer.max_steps - self.eval_last
-
+    # ---- when to evaluate (fl_lightning.engine.evaluation) --------------------------------------------------
     def validates_after(self, round_idx: int) -> bool:
         """Whether Lightning's validation loop runs after round ``round_idx`` (``RoundCheckpoint`` asks)."""
-        trainer = self.trainer
-        if not trainer.enable_validation:
-            return False
-        if self.in_last_rounds(round_idx):
-            return True
-        every = trainer.val_check_batch
-        if every is None:  # a time-based interval: not known in advance
-            return False
-        if every == float("inf"):
-            return round_idx == trainer.max_steps - 1
-        return (round_idx + 1) % int(every) == 0
+        return evaluation.validates_after(self.trainer, self.eval_last, round_idx)
 
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         # the last eval_last rounds are evaluated whatever the interval (their mean is the reported "last10")
-        if self.in_last_rounds(int(batch["round"])) and self.trainer.val_check_batch is not None:
-            self.trainer.val_check_batch = 1
+        if evaluation.in_last_rounds(self.trainer, self.eval_last, int(batch["round"])):
+            if self.trainer.val_check_batch is not None:
+                self.trainer.val_check_batch = 1
 
     # ---- evaluation: Lightning's validation and test loops -----------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -520,66 +367,18 @@ class FederatedModule(L.LightningModule):
             self.last_evaluation = ClientEvaluation.from_scores(self.client_scores.compute(), self.rounds_trained - 1)
         return self.last_evaluation
 
-    def validation_metric_names(self) -> set[str]:
-        """Every key ``on_validation_epoch_end`` logs (a callback may monitor any of them)."""
-        key = main_metric(self.fed)
-        names = {key, key.replace("_mean", "_last10")}
-        spread = ("mse_std", "mse_worst10", "mse_max") if self.fed.num_classes is None else ("acc_std", "acc_worst10",
-                                                                                             "acc_min")  # fmt: skip
-        names |= {f"val/{k}" for k in spread}
-        if self.fed.num_classes is not None:
-            names |= {"val/acc_weighted", "val/loss"}
-        if "B_star" in self.fed.extras and hasattr(self.net, "representation"):
-            names.add("val/dist_B")
-        return names
-
-    def _check_monitored_keys(self) -> None:
-        """A callback that monitors a ``val/`` key that is never logged is a config error (named up front)."""
-        logged = self.validation_metric_names()
-        for callback in self.trainer.callbacks:
-            monitor = getattr(callback, "monitor", None)
-            if isinstance(monitor, str) and monitor.startswith("val/") and monitor not in logged:
-                raise ConfigError(
-                    f"{type(callback).__name__} monitors '{monitor}', which is never logged "
-                    f"(validation logs: {', '.join(sorted(logged))})"
-                )
-
     def evaluate_clients(
         self, round_idx: int, finetune: FineTune | None = None, state_of: Any = None, split: str = "test"
     ) -> dict[str, Tensor]:
-        """Evaluate all of this rank's clients now (outside the validation loop); per-client and mean scores."""
-        world, rank = (self._trainer.world_size, self.global_rank) if self._trainer is not None else (1, 0)
-        mine = list(range(rank, self.fed.num_clients, world))
-        with torch.inference_mode(False):
-            self.client_scores.reset()
-            evaluation.evaluate_clients(self, mine, round_idx, self.client_scores, finetune, state_of, split)
-            return self.client_scores.compute()
+        """Evaluate all of this rank's clients now (``evaluation.evaluate_all``); per-client and mean scores."""
+        return evaluation.evaluate_all(self, round_idx, finetune, state_of, split)
 
     def evaluate_new_clients(self, round_idx: int, new: FederatedData) -> dict[str, Tensor]:
-        """Clients that never trained (FedRep Fig. 6, spec 004 transfer): each starts from the global model
-        with a fresh personal state (the initial personal parameters), fine-tunes ``new_client_finetune``
-        on its own training data, and is evaluated on its own test data."""
-        saved = self.fed, self.client_scores
-        fresh = self.algorithm.init_client_state(self.global_params())
-        try:
-            self.fed = new.to(self.device, self.data_dtype())
-            self.client_scores = PerClientScores(new.num_clients).to(self.device)
-            return self.evaluate_clients(round_idx, self.new_client_finetune, state_of=lambda c: fresh)
-        finally:
-            self.fed, self.client_scores = saved
+        """Held-out clients that never trained (``evaluation.evaluate_new_clients``)."""
+        return evaluation.evaluate_new_clients(self, round_idx, new)
 
     def _end_evaluations(self, round_idx: int, split: str) -> dict[str, float]:
-        """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
-        out: dict[str, float] = {}
-        new = getattr(getattr(self._trainer, "datamodule", None), "new_clients", None)
-        if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
-            name, key = ("acc", "acc_mean") if self.fed.num_classes is not None else ("mse", "loss_mean")
-            out[f"final/new_clients_{name}"] = float(self.evaluate_new_clients(round_idx, new)[key])
-        if self.finetune is not None:
-            ft = self.evaluate_clients(round_idx, finetune=self.finetune, split=split)
-            out["final/acc_ft"] = float(ft["acc_mean"])
-            self.finetuned_clients = ClientEvaluation.from_scores(ft, round_idx)
-        return out
+        return evaluation.end_evaluations(self, round_idx, split)
 
     # ---- end of fit ----------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
@@ -620,65 +419,13 @@ class FederatedModule(L.LightningModule):
                 logger.log_metrics(end, step=self.rounds_trained - 1)
         self.summary = summary
 
-    # ---- checkpoints -------------------------------------------------------------------------------------
-    def identity(self) -> dict[str, str]:
-        """What a checkpoint must match: the algorithm and network classes."""
-        return {
-            "algorithm": f"{type(self.algorithm).__module__}.{type(self.algorithm).__qualname__}",
-            "network": f"{type(self.net).__module__}.{type(self.net).__qualname__}",
-        }
-
-    def checkpoint_mismatch(self, checkpoint: dict[str, Any]) -> str | None:
-        """Why ``checkpoint`` cannot be loaded into this module (another algorithm, network or size), or None."""
-        theirs, ours = checkpoint.get("fl_identity"), self.identity()
-        if theirs and theirs != ours:
-            short = {k: v.rsplit(".", 1)[-1] for k, v in theirs.items()}
-            mine = {k: v.rsplit(".", 1)[-1] for k, v in ours.items()}
-            return (
-                f"the checkpoint was trained with {short['algorithm']} on {short['network']}, "
-                f"this config is {mine['algorithm']} on {mine['network']}"
-            )
-        saved, expected = checkpoint.get("state_dict", {}), self.state_dict()
-        missing = [k for k in expected if k not in saved]
-        extra = [k for k in saved if k not in expected]
-        if missing or extra:
-            return f"the checkpoint does not fit this model (missing: {missing[:3]}, unexpected: {extra[:3]})"
-        for k, v in expected.items():
-            theirs_shape, ours_shape = list(saved[k].shape), list(v.shape)
-            if theirs_shape == ours_shape:
-                continue
-            if k.startswith("bank.") and theirs_shape[1:] == ours_shape[1:]:
-                return f"the checkpoint has {theirs_shape[0]} clients, this config {ours_shape[0]}"
-            return f"the checkpoint does not fit this model: {k} has shape {theirs_shape} there and {ours_shape} here"
-        return None
-
+    # ---- checkpoints: fl_lightning.engine.checkpoint ------------------------------------------------------------
     def wall_seconds(self) -> float:
         """Training time of the run, over every process that trained it (resumes included)."""
         return self._wall_before + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["fl_history"] = list(self.history)
-        checkpoint["fl_upload_bytes"] = self.upload_bytes
-        checkpoint["fl_wall_s"] = self.wall_seconds()
-        checkpoint["fl_identity"] = self.identity()
-        last = self.rounds_trained - 1
-        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING and last >= 0:
-            evaluated = self.history[-1]["round"] if self.history else -1
-            checkpoint["fl_skips_validation_of"] = last if self.validates_after(last) and evaluated != last else None
+        checkpoint_entries.save_entries(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        problem = self.checkpoint_mismatch(checkpoint) if self.bank is not None else None
-        if problem:
-            raise ConfigError(problem)
-        self.history = list(checkpoint.get("fl_history", []))
-        self.rounds_trained = int(checkpoint.get("global_step", 0))
-        self.upload_bytes = float(checkpoint.get("fl_upload_bytes", 0.0))
-        self._wall_before = float(checkpoint.get("fl_wall_s", 0.0))
-        skipped = checkpoint.get("fl_skips_validation_of")
-        if skipped is not None and self.trainer.state.fn == TrainerFn.FITTING:
-            log.warning(
-                "this checkpoint was written before the validation of round %d (ModelCheckpoint(every_n_train_steps) "
-                "saves before validation); the resumed run does not evaluate that round. "
-                "fl_lightning.callbacks.RoundCheckpoint saves after it.",
-                skipped,
-            )
+        checkpoint_entries.load_entries(self, checkpoint)

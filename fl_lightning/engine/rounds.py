@@ -1,8 +1,10 @@
-"""Client sampling and the stateful round loader (one item per communication round)."""
+"""What a DataModule's loaders yield: client sampling and the stateful round loader (one item per communication
+round) for training, chunks of client ids for validation and test (``ClientChunks``)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,3 +61,34 @@ class RoundLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.next_round = int(state["next_round"])
+
+
+#: clients per ``validation_step`` (one progress tick); the shared-body fast path computes features per chunk
+CLIENTS_PER_STEP = 256
+
+
+class ClientChunks:
+    """The validation/test "dataloader": this rank's clients ``c ≡ rank (mod world)`` in chunks of ``size``.
+
+    Every rank yields the same number of chunks (the last ones may be short or empty): under DDP each
+    ``validation_step`` is a forward of the wrapped module, which syncs buffers across ranks.
+    """
+
+    def __init__(self, num_clients: int, rank: int = 0, world: int = 1, size: int = CLIENTS_PER_STEP) -> None:
+        self.clients = list(range(rank, num_clients, world))
+        self.size = size
+        self.num_chunks = max(1, math.ceil(math.ceil(num_clients / world) / size))
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i in range(self.num_chunks):
+            yield self.clients[i * self.size : (i + 1) * self.size]
+
+
+def client_chunks(num_clients: int, trainer: Any = None) -> ClientChunks:
+    """``ClientChunks`` for the trainer's rank (all clients on one process)."""
+    if trainer is None:
+        return ClientChunks(num_clients)
+    return ClientChunks(num_clients, trainer.global_rank, trainer.world_size)

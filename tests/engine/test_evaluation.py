@@ -174,6 +174,7 @@ def _check(clients: list[int]) -> _Module:
     return module
 
 
+@pytest.mark.usefixtures("_stand_in_contexts")
 def test_finetune_heads_chunks_300_clients_as_256_then_44_and_keeps_each_clients_head() -> None:
     """300 clients: two chunks (256 and 44, in order), the head names trained for the configured epochs, and
     every client's tuned head is its own head's."""
@@ -183,6 +184,7 @@ def test_finetune_heads_chunks_300_clients_as_256_then_44_and_keeps_each_clients
     assert all(c["trainable"] == ["head.w", "head.b"] and c["epochs"] == 3 for c in module.calls)
 
 
+@pytest.mark.usefixtures("_stand_in_contexts")
 def test_finetune_heads_single_and_few_clients() -> None:
     """One client and three clients: a single chunk each, one result per client."""
     for clients in ([7], [5, 0, 9]):
@@ -543,3 +545,9 @@ def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
     module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
     module.executor = "sequential"
     assert not shared_body_applies(module, None)
+
+
+@pytest.fixture
+def _stand_in_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_finetune_heads`` builds its contexts with ``executor.vector_context(module, ...)``: the stand-in's."""
+    monkeypatch.setattr(evaluation, "vector_context", lambda module, *args, **kw: module.vector_context(*args, **kw))

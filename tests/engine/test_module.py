@@ -26,9 +26,11 @@ from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client import ClientContext, ClientOptimizer, Params, steps_per_epoch
 from fl_lightning.engine import aggregation, evaluation
 from fl_lightning.engine.aggregation import RoundStats
+from fl_lightning.engine.checkpoint import checkpoint_mismatch, identity
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
-from fl_lightning.engine.evaluation import ClientEvaluation
-from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, check_monitored_keys, validation_metric_names
+from fl_lightning.engine.executor import client_context, decide, simulate_faults
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP, LinearRepresentation
@@ -70,7 +72,7 @@ def test_federated_module_defaults() -> None:
     """The defaults as the module keeps them (client optimiser, aggregation, executor, server SGD, …)."""
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))
     assert module.client_optimizer == ClientOptimizer(0.01, 0.5, 0.0, 10, True, None)
-    assert (module.aggregation, module.executor, module.eval_last) == ("num_samples", "sequential", 10)
+    assert (module.aggregation, module.executor, module.eval_last) == ("num_samples", "auto", 10)
     assert module.keep_client_optimizer_state is False
     rounds = module.round_optimizers
     assert (rounds.server_lr, rounds.server_momentum) == (1.0, 0.0)
@@ -200,7 +202,7 @@ def test_dropout_and_stragglers_follow_the_clients_seeded_coins() -> None:
     """p = 0.5 for both: the failed and the slow positions among ``mine`` (every other position) are those whose
     own coin is below 0.5; the two coins of a client are different draws."""
     mine = list(range(0, 60, 2))
-    failed, slow = _module(client_dropout=0.5, stragglers=0.5).simulate_faults(ROUND, COHORT, mine)
+    failed, slow = simulate_faults(_module(client_dropout=0.5, stragglers=0.5), ROUND, COHORT, mine)
     expected_failed = {j for j in mine if _coin("dropout", COHORT[j]) < 0.5}
     expected_slow = {j for j in mine if _coin("straggler", COHORT[j]) < 0.5}
     assert 0 < len(expected_failed) < len(mine) and 0 < len(expected_slow) < len(mine)
@@ -210,7 +212,7 @@ def test_dropout_and_stragglers_follow_the_clients_seeded_coins() -> None:
 
 
 def test_no_stragglers_without_a_straggler_probability() -> None:
-    failed, slow = _module(client_dropout=0.3).simulate_faults(ROUND, COHORT, list(range(60)))
+    failed, slow = simulate_faults(_module(client_dropout=0.3), ROUND, COHORT, list(range(60)))
     assert failed == {j for j in range(60) if _coin("dropout", COHORT[j]) < 0.3}
     assert slow == set()
 
@@ -220,7 +222,7 @@ def test_a_coin_equal_to_the_probability_does_not_fault() -> None:
     while every client whose coin is lower does."""
     mine = list(range(60))
     p_drop, p_slow = _coin("dropout", COHORT[0]), _coin("straggler", COHORT[1])
-    failed, slow = _module(client_dropout=p_drop, stragglers=p_slow).simulate_faults(ROUND, COHORT, mine)
+    failed, slow = simulate_faults(_module(client_dropout=p_drop, stragglers=p_slow), ROUND, COHORT, mine)
     assert 0 not in failed and 1 not in slow
     assert failed == {j for j in mine if _coin("dropout", COHORT[j]) < p_drop}
     assert slow == {j for j in mine if _coin("straggler", COHORT[j]) < p_slow}
@@ -484,8 +486,8 @@ def test_vectorized_fallback_is_logged_once(caplog: pytest.LogCaptureFixture) ->
     net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     module = FederatedModule(FedAvg(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert caplog.text.count("falls back to 'sequential'") == 1
 
 
@@ -507,25 +509,25 @@ REGRESSION_NAMES = {"val/mse_mean", "val/mse_last10", "val/mse_std", "val/mse_wo
 def test_validation_metric_names_classification() -> None:
     module = make_module()
     module.fed = digits_fed()
-    assert module.validation_metric_names() == CLASSIFICATION_NAMES
+    assert validation_metric_names(module.fed, module.net) == CLASSIFICATION_NAMES
 
 
 def test_validation_metric_names_regression() -> None:
     module = FederatedModule(FedAvg(1), nn.Linear(4, 1))
     module.fed = regression_fed()
-    assert module.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(module.fed, module.net) == REGRESSION_NAMES
 
 
 def test_dist_b_needs_both_b_star_and_a_representation() -> None:
     b_star = torch.eye(4)[:, :2]
     with_rep = FederatedModule(FedAvg(1), LinearRepresentation(dim=4, rank=2))
     with_rep.fed = regression_fed({"B_star": b_star})
-    assert with_rep.validation_metric_names() == REGRESSION_NAMES | {"val/dist_B"}
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES | {"val/dist_B"}
     with_rep.fed = regression_fed()  # a representation but no ground truth
-    assert with_rep.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES
     plain = FederatedModule(FedAvg(1), nn.Linear(4, 1))  # ground truth but no representation
     plain.fed = regression_fed({"B_star": b_star})
-    assert plain.validation_metric_names() == REGRESSION_NAMES
+    assert validation_metric_names(plain.fed, plain.net) == REGRESSION_NAMES
 
 
 def test_monitoring_a_logged_key_is_accepted() -> None:
@@ -533,7 +535,8 @@ def test_monitoring_a_logged_key_is_accepted() -> None:
     module.fed = digits_fed()
     callbacks = [SimpleNamespace(monitor=k) for k in sorted(CLASSIFICATION_NAMES)]
     callbacks += [SimpleNamespace(monitor="train/loss"), SimpleNamespace(monitor=None), SimpleNamespace()]
-    with_trainer(module, callbacks=callbacks)._check_monitored_keys()
+    with_trainer(module, callbacks=callbacks)
+    check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
 
 
 @pytest.mark.parametrize("monitor", ["val/mse_mean", "val/nope"])
@@ -542,7 +545,7 @@ def test_monitoring_a_val_key_that_is_never_logged_is_refused(monitor: str) -> N
     module.fed = digits_fed()
     with_trainer(module, callbacks=[SimpleNamespace(monitor=monitor)])
     with pytest.raises(ConfigError, match="which is never logged"):
-        module._check_monitored_keys()
+        check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
 
 
 # ---- set-up hooks -------------------------------------------------------------------------------------------
@@ -1036,8 +1039,8 @@ class Nets:
 
 # ---- identity ----------------------------------------------------------------------------------------------
 def test_identity_names_the_algorithm_and_network_classes_in_full() -> None:
-    assert FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,))).identity() == {"algorithm": FEDAVG, "network": DIGITS}
-    tiny = FederatedModule(FedAvg(1), Nets.Tiny()).identity()
+    assert identity(FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))) == {"algorithm": FEDAVG, "network": DIGITS}
+    tiny = identity(FederatedModule(FedAvg(1), Nets.Tiny()))
     assert tiny == {"algorithm": FEDAVG, "network": f"{__name__}.Nets.Tiny"}
 
 
@@ -1045,21 +1048,21 @@ def test_identity_names_the_algorithm_and_network_classes_in_full() -> None:
 def test_a_checkpoint_of_the_same_model_fits() -> None:
     module = fedrep(4)
     state = fedrep(4).state_dict()
-    assert module.checkpoint_mismatch({"state_dict": state}) is None  # older checkpoints: no identity
-    assert module.checkpoint_mismatch({"state_dict": state, "fl_identity": module.identity()}) is None
+    assert checkpoint_mismatch(module, {"state_dict": state}) is None  # older checkpoints: no identity
+    assert checkpoint_mismatch(module, {"state_dict": state, "fl_identity": identity(module)}) is None
 
 
 def test_a_checkpoint_of_another_algorithm_and_network_names_both_short() -> None:
     module = fedrep(4)
     theirs = {"algorithm": "pkg.algos.fedavg.FedAvg", "network": "pkg.models.cnn.Nets.CNN"}
-    message = module.checkpoint_mismatch({"state_dict": module.state_dict(), "fl_identity": theirs})
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
     assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
 
 
 def test_a_checkpoint_identity_without_module_paths_is_named_as_is() -> None:
     module = fedrep(4)
     theirs = {"algorithm": "FedAvg", "network": "CNN"}  # written by hand, not by identity()
-    message = module.checkpoint_mismatch({"state_dict": module.state_dict(), "fl_identity": theirs})
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
     assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
 
 
@@ -1067,28 +1070,28 @@ def test_a_checkpoint_with_missing_or_unexpected_entries() -> None:
     module = fedrep(4)
     keys = list(module.state_dict())  # net.body.fc1.weight, net.body.fc1.bias, net.head.weight, ...
     assert len(keys) >= 4
-    assert module.checkpoint_mismatch({}) == (
+    assert checkpoint_mismatch(module, {}) == (
         f"the checkpoint does not fit this model (missing: {keys[:3]}, unexpected: [])"
     )
     saved = dict(module.state_dict())
     del saved[keys[1]]
-    assert module.checkpoint_mismatch({"state_dict": saved}) == (
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
         f"the checkpoint does not fit this model (missing: {[keys[1]]}, unexpected: [])"
     )
     extra = {**module.state_dict(), **{f"x{i}": torch.zeros(1) for i in range(5)}}
-    assert module.checkpoint_mismatch({"state_dict": extra}) == (
+    assert checkpoint_mismatch(module, {"state_dict": extra}) == (
         "the checkpoint does not fit this model (missing: [], unexpected: ['x0', 'x1', 'x2'])"
     )
 
 
 def test_a_checkpoint_with_another_number_of_clients() -> None:
-    assert fedrep(4).checkpoint_mismatch({"state_dict": fedrep(5).state_dict()}) == (
+    assert checkpoint_mismatch(fedrep(4), {"state_dict": fedrep(5).state_dict()}) == (
         "the checkpoint has 5 clients, this config 4"
     )
 
 
 def test_a_checkpoint_with_another_layer_size_names_the_first_entry() -> None:
-    message = fedrep(4, hidden=4).checkpoint_mismatch({"state_dict": fedrep(4, hidden=5).state_dict()})
+    message = checkpoint_mismatch(fedrep(4, hidden=4), {"state_dict": fedrep(4, hidden=5).state_dict()})
     assert message == (
         "the checkpoint does not fit this model: net.body.fc1.weight has shape [5, 64] there and [4, 64] here"
     )
@@ -1098,7 +1101,7 @@ def test_a_bank_entry_whose_row_shape_differs_is_a_shape_error() -> None:
     module = fedrep(4)
     saved = dict(module.state_dict())
     saved["bank.head__weight"] = torch.zeros(4, 10, 3)
-    assert module.checkpoint_mismatch({"state_dict": saved}) == (
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
         "the checkpoint does not fit this model: bank.head__weight has shape [4, 10, 3] there and [4, 10, 4] here"
     )
 
@@ -1185,10 +1188,10 @@ def test_save_checkpoint_outside_fit_or_before_any_round_has_no_mark() -> None:
 # ---- on_load_checkpoint ------------------------------------------------------------------------------------
 def test_load_checkpoint_restores_the_run_state(caplog: pytest.LogCaptureFixture) -> None:
     module = fedrep(4)
-    with_trainer(module, state=SimpleNamespace(fn=TrainerFn.FITTING))
+    module.trainer = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING))
     history = [{"round": 1.0, "val/acc_mean": 0.25}]
     checkpoint = {
-        "state_dict": module.state_dict(), "fl_identity": module.identity(), "fl_history": history,
+        "state_dict": module.state_dict(), "fl_identity": identity(module), "fl_history": history,
         "global_step": 7, "fl_upload_bytes": 99.0, "fl_wall_s": 12.5, "fl_skips_validation_of": None,
     }  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
@@ -1331,7 +1334,7 @@ def test_kept_optimizer_state_goes_in_through_the_context_and_comes_back_in_the_
     """With ``keep_client_optimizer_state``: the algorithm sees its own state only, the context the kept rows;
     each client's new state is the algorithm's (2·old) plus the kept rows the context ends with (old + 1)."""
     module = _module_2(True, executor)
-    assert module.vectorized() is (executor == "vectorized")
+    assert decide(module, len([2, 0, 3])).stacked is (executor == "vectorized")
     clients, budgets = [2, 0, 3], [1.0, 0.25, 0.5]
     glob = _glob(module)
     before = [_bank_row(module, c) for c in clients]
@@ -1464,6 +1467,7 @@ def faulty_fit() -> dict[str, Any]:
         stragglers=STRAGGLERS,
         straggler_budget=BUDGET,
         eval_every=100,
+        executor="sequential",  # the recorder reads ctx.client: the reference loop's context
     )
     logged: list[dict[str, Any]] = []
     original_log_dict = module.log_dict
@@ -1689,7 +1693,7 @@ def attached_2() -> tuple[FederatedModule, FederatedData]:
 def test_training_context_reads_the_clients_training_rows(attached_2: tuple[FederatedModule, FederatedData]) -> None:
     """Defaults: the training split, the augmentation, a full step budget, the run's seed, the client's side."""
     module, fed = attached_2
-    ctx = module.client_context(2, 3)
+    ctx = client_context(module, 2, 3)
     lo, hi = _rows(TRAIN_SIZES, 2)
     assert_close_finite(ctx.x, fed.train.x[lo:hi])
     assert torch.equal(ctx.y, fed.train.y[lo:hi])
@@ -1702,7 +1706,7 @@ def test_test_context_reads_the_test_rows_without_augmentation(
     attached_2: tuple[FederatedModule, FederatedData],
 ) -> None:
     module, fed = attached_2
-    ctx = module.client_context(1, 0, split="test", tag="eval", step_budget=0.25)
+    ctx = client_context(module, 1, 0, split="test", tag="eval", step_budget=0.25)
     lo, hi = _rows(TEST_SIZES, 1)
     assert ctx.x.shape[0] == TEST_SIZES[1]
     assert_close_finite(ctx.x, fed.test.x[lo:hi])
@@ -1715,7 +1719,7 @@ def test_test_context_reads_the_test_rows_without_augmentation(
 def test_context_without_side_data_has_no_side() -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))
     module.attach_data(_fed_2(4, side=False))
-    assert module.client_context(0, 0).side is None
+    assert client_context(module, 0, 0).side is None
 
 
 # ---- vectorized ----------------------------------------------------------------------------------------------
@@ -1726,15 +1730,15 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_vectorized_applies_to_a_vectorizable_method_without_batchnorm(caplog: pytest.LogCaptureFixture) -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is True
-        assert module.vectorized() is True
+        assert decide(module, 2).stacked is True
+        assert decide(module, 2).stacked is True
     assert _warnings(caplog) == []
 
 
 def test_sequential_executor_is_never_vectorized(caplog: pytest.LogCaptureFixture) -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), executor="sequential")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == []
 
 
@@ -1747,8 +1751,8 @@ def test_a_subclass_must_declare_vectorizable_itself_and_the_fallback_is_logged_
 ) -> None:
     module = FederatedModule(_Inherits(1), DigitsMLP(hidden=(4,)), executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == [
         "executor 'vectorized' falls back to 'sequential': _Inherits is not marked vectorizable"
     ]
@@ -1758,6 +1762,6 @@ def test_batchnorm_network_falls_back_with_its_reason(caplog: pytest.LogCaptureF
     net = nn.Sequential(nn.Linear(64, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
     module = FederatedModule(FedAvg(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert module.vectorized() is False
-        assert module.vectorized() is False
+        assert decide(module, 2).stacked is False
+        assert decide(module, 2).stacked is False
     assert _warnings(caplog) == ["executor 'vectorized' falls back to 'sequential': the network has BatchNorm layers"]

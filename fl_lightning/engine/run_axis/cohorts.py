@@ -25,8 +25,9 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params, factory_name, split_state
+from fl_lightning.engine.executor import Workload, choose_path, stacked_updates
 from fl_lightning.engine.rounds import make_generator
-from fl_lightning.engine.stacked import VectorizedContext, has_batchnorm, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 
 if TYPE_CHECKING:
     from fl_lightning.engine.module import FederatedModule
@@ -140,12 +141,13 @@ class CohortRequest:
 
 
 def combinable(module: FederatedModule) -> bool:
-    """Whether the run's local update runs on stacked clients (else it runs its own loop in the lockstep)."""
+    """Whether the run's local update runs on stacked clients (else it runs its own loop in the lockstep): the
+    stacked path can run it (``executor.choose_path`` asked for ``vectorized``: whether it wins does not depend on
+    one run's cohort, the runs' cohorts train together) and the algorithm has no server state an update could read."""
     algorithm = module.algorithm
     server_state = any(True for _ in algorithm.parameters()) or any(True for _ in algorithm.buffers())
-    return (
-        bool(type(algorithm).__dict__.get("vectorizable", False)) and not has_batchnorm(module.net) and not server_state
-    )
+    can = choose_path(algorithm, module.net, module.device, Workload(clients=1), "vectorized").stacked
+    return can and not server_state
 
 
 _SKIP = ("training", "num_aggregated")
@@ -235,16 +237,7 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     upd = first.algorithm.client_update(ctx, glob, stack(states) if states[0] else {})
     new_kept = ctx.optimizer_state or {}
     for r, (lo, hi) in enumerate(slices):
-        out[r] = [  # as FederatedModule.run_clients: sizes from the host, losses stay on the device
-            ClientUpdate(
-                unstack(upd.upload, j),
-                {**unstack(upd.state, j), **unstack(new_kept, j)},
-                ctx.num_samples[j],
-                upd.loss[j],
-                {name: v[j] for name, v in upd.metrics.items()},
-            )
-            for j in range(lo, hi)
-        ]
+        out[r] = stacked_updates(upd, ctx, new_kept, lo, hi)  # as executor.run_clients
     return out
 
 

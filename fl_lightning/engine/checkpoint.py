@@ -1,0 +1,85 @@
+"""Checkpoint identity: what a ``FederatedModule`` checkpoint must match to be loaded, and the run's own entries.
+
+Besides Lightning's ``state_dict`` (global model, client-state bank, algorithm server state) a checkpoint
+carries ``fl_identity`` (the algorithm and network classes), ``fl_history`` (the evaluations so far),
+``fl_upload_bytes``, ``fl_wall_s`` (training seconds over every process that trained the run) and
+``fl_skips_validation_of`` (a round whose validation the checkpoint was written before, or None).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+
+from fl_lightning.errors import ConfigError
+
+__all__ = ["checkpoint_mismatch", "identity", "load_entries", "save_entries"]
+
+log = logging.getLogger("fl_lightning")
+
+
+def identity(module: Any) -> dict[str, str]:
+    """What a checkpoint must match: the algorithm and network classes."""
+    return {
+        "algorithm": f"{type(module.algorithm).__module__}.{type(module.algorithm).__qualname__}",
+        "network": f"{type(module.net).__module__}.{type(module.net).__qualname__}",
+    }
+
+
+def checkpoint_mismatch(module: Any, checkpoint: dict[str, Any]) -> str | None:
+    """Why ``checkpoint`` cannot be loaded into ``module`` (another algorithm, network or size), or None."""
+    theirs, ours = checkpoint.get("fl_identity"), identity(module)
+    if theirs and theirs != ours:
+        short = {k: v.rsplit(".", 1)[-1] for k, v in theirs.items()}
+        mine = {k: v.rsplit(".", 1)[-1] for k, v in ours.items()}
+        return (
+            f"the checkpoint was trained with {short['algorithm']} on {short['network']}, "
+            f"this config is {mine['algorithm']} on {mine['network']}"
+        )
+    saved, expected = checkpoint.get("state_dict", {}), module.state_dict()
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    if missing or extra:
+        return f"the checkpoint does not fit this model (missing: {missing[:3]}, unexpected: {extra[:3]})"
+    for k, v in expected.items():
+        theirs_shape, ours_shape = list(saved[k].shape), list(v.shape)
+        if theirs_shape == ours_shape:
+            continue
+        if k.startswith("bank.") and theirs_shape[1:] == ours_shape[1:]:
+            return f"the checkpoint has {theirs_shape[0]} clients, this config {ours_shape[0]}"
+        return f"the checkpoint does not fit this model: {k} has shape {theirs_shape} there and {ours_shape} here"
+    return None
+
+
+def save_entries(module: Any, checkpoint: dict[str, Any]) -> None:
+    """``FederatedModule.on_save_checkpoint``: the run's ``fl_*`` entries."""
+    checkpoint["fl_history"] = list(module.history)
+    checkpoint["fl_upload_bytes"] = module.upload_bytes
+    checkpoint["fl_wall_s"] = module.wall_seconds()
+    checkpoint["fl_identity"] = identity(module)
+    last = module.rounds_trained - 1
+    if module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING and last >= 0:
+        evaluated = module.history[-1]["round"] if module.history else -1
+        checkpoint["fl_skips_validation_of"] = last if module.validates_after(last) and evaluated != last else None
+
+
+def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
+    """``FederatedModule.on_load_checkpoint``: refuse a checkpoint that does not fit, restore the ``fl_*``
+    entries, and warn when the checkpoint was written before a validation that the resumed run will skip."""
+    problem = checkpoint_mismatch(module, checkpoint) if module.bank is not None else None
+    if problem:
+        raise ConfigError(problem)
+    module.history = list(checkpoint.get("fl_history", []))
+    module.rounds_trained = int(checkpoint.get("global_step", 0))
+    module.upload_bytes = float(checkpoint.get("fl_upload_bytes", 0.0))
+    module._wall_before = float(checkpoint.get("fl_wall_s", 0.0))
+    skipped = checkpoint.get("fl_skips_validation_of")
+    if skipped is not None and module.trainer.state.fn == TrainerFn.FITTING:
+        log.warning(
+            "this checkpoint was written before the validation of round %d (ModelCheckpoint(every_n_train_steps) "
+            "saves before validation); the resumed run does not evaluate that round. "
+            "fl_lightning.callbacks.RoundCheckpoint saves after it.",
+            skipped,
+        )

@@ -1,0 +1,270 @@
+"""How a round's clients run: the one place that chooses between the sequential loop and the stacked path.
+
+``choose_path`` decides from the algorithm, the network, the device and the workload (how many clients run at
+once, with which client optimiser and augmentation), under ``model.executor``:
+
+* ``sequential``: the reference loop (``fl_lightning.client.ClientContext``, one client after another);
+* ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
+  loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
+* ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
+  else the loop, said once at INFO ("executor: stacked (reason)" / "executor: sequential (reason)"). Where the
+  stacked path would only run its clients in turn (a client optimiser without a batched form, recurrent layers,
+  an augmentation that cannot draw ahead) ``auto`` runs the loop.
+
+Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluation``) and the run axis
+(``fl_lightning.engine.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
+``FederatedModule`` (``FederatedRun`` names what they read of it) and never import it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked import (
+    VectorizedContext,
+    batched_rule,
+    has_batchnorm,
+    has_rnn,
+    per_sample_loss_for,
+    stack,
+    unstack,
+)
+
+__all__ = [
+    "Decision",
+    "ExecutorName",
+    "Workload",
+    "choose_path",
+    "client_context",
+    "decide",
+    "run_clients",
+    "simulate_faults",
+    "stacked_updates",
+    "vector_context",
+]
+
+log = logging.getLogger("fl_lightning")
+
+ExecutorName = Literal["auto", "sequential", "vectorized"]
+
+#: ``auto`` on these devices runs the loop below this many clients at once. Measured on the 2-core development
+#: CPU under load from other jobs (one thread; ``time.process_time`` per round of ``run_clients``, median of 8
+#: rounds; ratio sequential / stacked, two runs): DigitsMLP FedAvg 1 epoch on the digits split (~72 samples per
+#: client): 1 client 0.82-0.91, 2 clients 1.44-1.48, 4 clients 2.46-2.61; 10 samples per client: 1 client
+#: 0.60-0.70, 2 clients 1.03-1.21, 4 clients 1.89-1.97, 10 clients 3.07-3.56; FedRep 2+1 epochs, 1 client 0.73,
+#: 2 clients 1.40; the quickstart (FedRep 10+1 epochs, 4 clients) 4.31-4.56. Command:
+#: ``OMP_NUM_THREADS=1 python -m benchmarks.executor_auto``. Other devices (not measured yet): stacked from 1 client.
+MIN_STACKED_CLIENTS: dict[str, int] = {"cpu": 2}
+
+
+class FederatedRun(Protocol):
+    """What the executor reads of a ``FederatedModule``."""
+
+    algorithm: Algorithm
+    net: nn.Module
+    fed: FederatedData | None
+    executor: ExecutorName
+    keep_client_optimizer_state: bool
+    run_axis: Any
+    round_optimizers: Any
+    loss_fn: Any
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs at once: ``clients`` (this rank's share of a round's cohort, or of the clients it evaluates)
+    and the client ``optimizer`` (None when nothing trains with it: evaluation without "+FT")."""
+
+    clients: int
+    optimizer: ClientOptimizer | None = None
+    evaluation: bool = False  #: scoring (and "+FT"): the algorithm's ``client_update`` does not run
+    augment: Any = None  #: the training augmentation (``FederatedData.augment``)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which path runs (``sequential`` or ``stacked``) and why; ``fallback``: ``vectorized`` was asked and
+    cannot run."""
+
+    path: Literal["sequential", "stacked"]
+    reason: str
+    fallback: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        return self.path == "stacked"
+
+
+def declares_vectorizable(algorithm: Algorithm) -> bool:
+    """``vectorizable`` declared by the algorithm's own class (it is not inherited: a subclass may change
+    ``client_update``)."""
+    return bool(type(algorithm).__dict__.get("vectorizable", False))
+
+
+def _blocker(algorithm: Algorithm, net: nn.Module, workload: Workload) -> str | None:
+    """Why the stacked path cannot run this workload at all, or None."""
+    if not workload.evaluation and not declares_vectorizable(algorithm):
+        return f"{type(algorithm).__name__} is not marked vectorizable"
+    if has_batchnorm(net):
+        return "the network has BatchNorm layers"
+    return None
+
+
+def choose_path(
+    algorithm: Algorithm,
+    net: nn.Module,
+    device: torch.device | str,
+    workload: Workload,
+    executor: ExecutorName = "auto",
+) -> Decision:
+    """The path of ``workload`` under ``model.executor`` (see the module docstring): pure, logs nothing."""
+    if executor == "sequential":
+        return Decision("sequential", "model.executor: sequential")
+    blocker = _blocker(algorithm, net, workload)
+    if blocker is not None:
+        return Decision("sequential", blocker, fallback=executor == "vectorized")
+    if executor == "vectorized":
+        return Decision("stacked", "model.executor: vectorized")
+    # where the stacked path would run its clients in turn anyway (and warn), auto runs the loop
+    if workload.optimizer is not None and batched_rule(workload.optimizer) is None:
+        name = factory_name(workload.optimizer.factory)
+        return Decision("sequential", f"client optimizer {name} has no batched form")
+    if not workload.evaluation and has_rnn(net):
+        return Decision("sequential", "recurrent layers (LSTM) have no batched form")
+    if workload.augment is not None and not draws_ahead(workload.augment):
+        return Decision("sequential", "the augmentation cannot draw ahead")
+    kind, k = torch.device(device).type, workload.clients
+    least = MIN_STACKED_CLIENTS.get(kind, 1)
+    at_once = f"{k} client{'' if k == 1 else 's'} at a time on the {kind}"
+    if k < least:
+        return Decision("sequential", f"{at_once}: the loop is faster below {least}")
+    what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
+    return Decision("stacked", f"{what}, {at_once}")
+
+
+def planned_clients(module: FederatedRun, clients: int) -> int:
+    """This rank's share of the configured cohort (``data.clients_per_round``) when the trainer has a
+    DataModule, else ``clients``: one decision for the whole run, whatever drops out of a round."""
+    trainer = getattr(module, "_trainer", None)
+    per_round = getattr(getattr(trainer, "datamodule", None), "clients_per_round", None)
+    if not isinstance(per_round, int):
+        return clients
+    world = max(int(getattr(trainer, "world_size", 1)), 1)
+    return -(-per_round // world)
+
+
+def decide(module: FederatedRun, clients: int) -> Decision:
+    """The training path of ``module``'s rounds (``clients`` run at once), said once per module: INFO, or the
+    WARNING of a ``vectorized`` that falls back."""
+    fed = module.fed
+    augment = None if fed is None else fed.augment
+    workload = Workload(planned_clients(module, clients), module.round_optimizers.client_settings(), augment=augment)
+    decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
+    if not getattr(module, "_executor_logged", False):
+        module._executor_logged = True
+        if decision.fallback:
+            log.warning("executor 'vectorized' falls back to 'sequential': %s", decision.reason)
+        else:
+            log.info("executor: %s (%s)", decision.path, decision.reason)
+    return decision
+
+
+# ---- contexts ---------------------------------------------------------------------------------------------------
+def client_context(
+    module: FederatedRun,
+    client: int,
+    round_idx: int,
+    split: str = "train",
+    tag: str = "train",
+    step_budget: float = 1.0,
+) -> ClientContext:
+    """One client's context on its ``split`` (``train`` or ``test``) with its generator ``(seed, tag, round,
+    client)``; the augmentation applies to training data only."""
+    fed = module.fed
+    x, y = (fed.train if split == "train" else fed.test).client(client)
+    return ClientContext(
+        module.net, client, x, y, None if fed.side is None else fed.side[client],
+        module.round_optimizers.client_settings(), module.loss_fn, make_generator(fed.seed, tag, round_idx, client),
+        fed.augment if split == "train" else None, round_idx, fed.seed, step_budget,
+    )  # fmt: skip
+
+
+def vector_context(
+    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train"
+) -> VectorizedContext:
+    """``clients`` stacked in one context on their training data (the stacked path's ``client_context``)."""
+    fed = module.fed
+    pairs = [fed.train.client(c) for c in clients]
+    return VectorizedContext(
+        module.net, list(clients), [x for x, _ in pairs], [y for _, y in pairs],
+        None if fed.side is None else [fed.side[c] for c in clients], module.round_optimizers.client_settings(),
+        per_sample_loss_for(fed.num_classes), [make_generator(fed.seed, tag, round_idx, c) for c in clients],
+        fed.augment, round_idx, fed.seed, budgets,
+    )  # fmt: skip
+
+
+# ---- one round's clients ----------------------------------------------------------------------------------------
+def stacked_updates(upd: ClientUpdate, ctx: VectorizedContext, kept: Params, lo: int, hi: int) -> list[ClientUpdate]:
+    """Rows ``lo:hi`` of a stacked ``client_update`` as one ``ClientUpdate`` each (views of the stacked results,
+    kept optimiser state merged into the state; sizes from the host, losses stay on the device)."""
+    return [
+        ClientUpdate(
+            unstack(upd.upload, k),
+            {**unstack(upd.state, k), **unstack(kept, k)},
+            ctx.num_samples[k],
+            upd.loss[k],
+            {name: v[k] for name, v in upd.metrics.items()},
+        )
+        for k in range(lo, hi)
+    ]
+
+
+def run_clients(
+    module: FederatedRun, clients: list[int], round_idx: int, glob: Params, states: list[Params], budgets: list[float]
+) -> list[ClientUpdate]:
+    """The local updates of ``clients`` on the path ``decide`` chose (a run batched with others hands them to
+    its run axis). Kept client optimiser state (``keep_client_optimizer_state``) travels in the contexts, not
+    through the algorithm."""
+    if not clients:
+        return []
+    if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.engine.run_axis)
+        return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets)
+    states, kept = zip(*(split_state(st) for st in states))
+    keep = module.keep_client_optimizer_state
+    if decide(module, len(clients)).stacked:
+        ctx = vector_context(module, clients, round_idx, budgets)
+        ctx.optimizer_state = stack(kept) if keep else None
+        expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}
+        upd = module.algorithm.client_update(ctx, expanded, stack(states) if states[0] else {})
+        return stacked_updates(upd, ctx, ctx.optimizer_state or {}, 0, len(clients))
+    updates = []
+    for c, st, kept_c, b in zip(clients, states, kept, budgets):
+        ctx = client_context(module, c, round_idx, step_budget=b)
+        ctx.optimizer_state = kept_c if keep else None
+        upd = module.algorithm.client_update(ctx, glob, st)
+        if keep:
+            upd.state = {**upd.state, **ctx.optimizer_state}
+        updates.append(upd)
+    return updates
+
+
+def simulate_faults(module: Any, round_idx: int, cohort: list[int], mine: list[int]) -> tuple[set[int], set[int]]:
+    """(failed, slow): the positions in ``mine`` whose client fails / straggles this round (seeded coins)."""
+
+    def coin(tag: str, j: int) -> float:
+        return float(torch.rand(1, generator=make_generator(module.fed.seed, tag, round_idx, cohort[j])))
+
+    failed = {j for j in mine if module.client_dropout and coin("dropout", j) < module.client_dropout}
+    slow = {j for j in mine if module.stragglers and coin("straggler", j) < module.stragglers}
+    return failed, slow

@@ -1,0 +1,281 @@
+"""``fl_lightning.engine.executor``: the one choice between the sequential loop and the stacked path.
+
+* the decision (``choose_path``): each reason, ``auto`` as the default, the measured CPU threshold, said once
+  per run (INFO; a ``vectorized`` that cannot run: the WARNING of its fallback);
+* ``auto`` equals the ``sequential`` reference to 1e-5 on short fits (final parameters, client-state bank, every
+  logged metric, validation on a carved validation split, test, held-out new clients and "+FT") for every exported
+  algorithm that declares ``vectorizable`` (read from ``fl_lightning.algorithms``, so a method that becomes
+  vectorizable is covered without touching this file), on an MLP, a small CNN and the CNN with BatchNorm.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fl_lightning.algorithms as algorithms
+from datamodules.augment import CropFlip
+from datamodules.base import FederatedDataModule
+from datamodules.digits import load_digits_tensors
+from fl_lightning.algorithms import Algorithm, FedAvg, FedRep, LinearFedAvg
+from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine import executor
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.evaluation import FineTune
+from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import DigitsCNN, DigitsMLP
+from tests.helpers.asserts import assert_close_finite
+from tests.helpers.training import make_trainer
+
+CPU = torch.device("cpu")
+BN_NET = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+RMSPROP = ClientOptimizer.from_config(torch.optim.RMSprop)
+LSTM_NET = nn.Sequential(nn.LSTM(4, 4))
+
+
+def _plain_augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """An augmentation that draws inside its call (no ``draw``/``apply``)."""
+    return x + torch.randn(x.shape, generator=generator)
+
+
+class _Inherits(FedAvg):
+    """Inherits FedAvg's ``vectorizable`` without declaring it (a subclass may change ``client_update``)."""
+
+
+# ---- the decision ---------------------------------------------------------------------------------------------
+MLP = DigitsMLP(hidden=(4,))
+ASKED_SEQUENTIAL = ("sequential", "model.executor: sequential", False)
+ASKED_VECTORIZED = ("stacked", "model.executor: vectorized", False)
+FEDAVG_4 = ("stacked", "FedAvg is vectorizable, 4 clients at a time on the cpu", False)
+NOT_MARKED = "_Inherits is not marked vectorizable"
+HAS_BN = "the network has BatchNorm layers"
+CASES = {
+    "sequential asked": (FedAvg(1), MLP, CPU, Workload(4), "sequential", ASKED_SEQUENTIAL),
+    "vectorized asked": (FedAvg(1), MLP, CPU, Workload(4), "vectorized", ASKED_VECTORIZED),
+    "auto stacks": (FedAvg(1), MLP, CPU, Workload(4), "auto", FEDAVG_4),
+    "auto, inherited flag": (_Inherits(1), MLP, CPU, Workload(4), "auto", ("sequential", NOT_MARKED, False)),
+    "vectorized, inherited flag": (_Inherits(1), MLP, CPU, Workload(4), "vectorized", ("sequential", NOT_MARKED, True)),
+    "auto, closed form": (
+        LinearFedAvg(), MLP, CPU, Workload(4), "auto", ("sequential", "LinearFedAvg is not marked vectorizable", False)
+    ),
+    "auto, BatchNorm": (FedAvg(1), BN_NET, CPU, Workload(4), "auto", ("sequential", HAS_BN, False)),
+    "vectorized, BatchNorm": (FedAvg(1), BN_NET, CPU, Workload(4), "vectorized", ("sequential", HAS_BN, True)),
+    "auto, optimiser without a batched form": (
+        FedAvg(1), MLP, CPU, Workload(4, RMSPROP), "auto",
+        ("sequential", "client optimizer RMSprop has no batched form", False),
+    ),
+    "vectorized, optimiser without a batched form": (
+        FedAvg(1), MLP, CPU, Workload(4, RMSPROP), "vectorized", ASKED_VECTORIZED
+    ),
+    "auto, LSTM": (
+        FedAvg(1), LSTM_NET, CPU, Workload(4), "auto",
+        ("sequential", "recurrent layers (LSTM) have no batched form", False),
+    ),
+    "vectorized, LSTM": (FedAvg(1), LSTM_NET, CPU, Workload(4), "vectorized", ASKED_VECTORIZED),
+    "evaluation, LSTM": (
+        FedAvg(1), LSTM_NET, CPU, Workload(4, evaluation=True), "auto",
+        ("stacked", "evaluation, 4 clients at a time on the cpu", False),
+    ),
+    "auto, augmentation drawn inside": (
+        FedAvg(1), MLP, CPU, Workload(4, augment=_plain_augment), "auto",
+        ("sequential", "the augmentation cannot draw ahead", False),
+    ),
+    "auto, augmentation drawn ahead": (FedAvg(1), MLP, CPU, Workload(4, augment=CropFlip()), "auto", FEDAVG_4),
+    "auto, momentum SGD": (FedAvg(1), MLP, CPU, Workload(4, ClientOptimizer()), "auto", FEDAVG_4),
+    "auto, one client on the cpu": (
+        FedAvg(1), MLP, CPU, Workload(1), "auto",
+        ("sequential", "1 client at a time on the cpu: the loop is faster below 2", False),
+    ),
+    "vectorized, one client": (FedAvg(1), MLP, CPU, Workload(1), "vectorized", ASKED_VECTORIZED),
+    "auto, one client elsewhere": (
+        FedAvg(1), MLP, "cuda", Workload(1), "auto",
+        ("stacked", "FedAvg is vectorizable, 1 client at a time on the cuda", False),
+    ),
+    # evaluation (scoring and "+FT") never runs client_update: the algorithm's flag does not matter, BN does
+    "evaluation, inherited flag": (
+        _Inherits(1), MLP, CPU, Workload(4, evaluation=True), "auto",
+        ("stacked", "evaluation, 4 clients at a time on the cpu", False),
+    ),
+    "evaluation, BatchNorm": (
+        _Inherits(1), BN_NET, CPU, Workload(4, evaluation=True), "auto", ("sequential", HAS_BN, False)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("algorithm", "net", "device", "workload", "asked", "expected"), CASES.values(), ids=CASES)
+def test_each_reason(algorithm, net, device, workload, asked, expected) -> None:
+    decision = choose_path(algorithm, net, device, workload, asked)
+    assert (decision.path, decision.reason, decision.fallback) == expected
+    assert decision.stacked is (expected[0] == "stacked")
+
+
+def test_the_cpu_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``MIN_STACKED_CLIENTS['cpu']`` clients the loop, from it on the stacked path; the rule reads the table."""
+    least = MIN_STACKED_CLIENTS["cpu"]
+    assert least == 2  # benchmarks/executor_auto.py: 1 client 0.60-0.82, 2 clients 1.21-1.47 (sequential / stacked)
+    assert not choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(least - 1)).stacked
+    assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(least)).stacked
+    monkeypatch.setitem(MIN_STACKED_CLIENTS, "cpu", 5)
+    assert not choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(4)).stacked
+    assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(5)).stacked
+
+
+def test_auto_is_the_default() -> None:
+    assert inspect.signature(FederatedModule.__init__).parameters["executor"].default == "auto"
+    assert FederatedModule(FedAvg(1), DigitsMLP()).executor == "auto"
+
+
+# ---- a tiny federation ------------------------------------------------------------------------------------------
+TRAIN, TEST, CLIENTS, NEW, PER_ROUND, ROUNDS = 24, 8, 4, 2, 3, 2
+
+
+class TinyDigits(FederatedDataModule):
+    """The first digits images: 4 clients with 24 training (a quarter carved for validation) and 8 test images
+    each, and 2 held-out new clients."""
+
+    def __init__(self) -> None:
+        super().__init__(CLIENTS, clients_per_round=PER_ROUND, seed=0, val_fraction=0.25)
+        self.new_clients: FederatedData | None = None
+
+    def _part(self, x: torch.Tensor, y: torch.Tensor, start: int, clients: int) -> FederatedData:
+        train = [np.arange(start + c * TRAIN, start + (c + 1) * TRAIN) for c in range(clients)]
+        first_test = start + clients * TRAIN
+        test = [np.arange(first_test + c * TEST, first_test + (c + 1) * TEST) for c in range(clients)]
+        return self.make_federated(x, y, train, x, y, test, num_classes=10)
+
+    def build(self) -> FederatedData:
+        x, y = load_digits_tensors()
+        self.new_clients = self._part(x, y, CLIENTS * (TRAIN + TEST), NEW)
+        return self._part(x, y, 0, CLIENTS)
+
+
+def _vectorizable() -> list[str]:
+    """The exported algorithm classes that declare ``vectorizable`` themselves (gradient methods written with
+    ``ctx.sgd``; closed-form and clustering methods do not declare it)."""
+    names = []
+    for name in algorithms.__all__:
+        cls = getattr(algorithms, name)
+        if isinstance(cls, type) and issubclass(cls, Algorithm) and cls.__dict__.get("vectorizable", False):
+            names.append(name)
+    return names
+
+
+NETWORKS = {"mlp": lambda: DigitsMLP(hidden=(16,)), "cnn": DigitsCNN, "cnn_bn": lambda: DigitsCNN(batchnorm=True)}
+
+
+def _fit(name: str, network: str, asked: str) -> dict[str, Any]:
+    cls = getattr(algorithms, name)
+    L.seed_everything(0, verbose=False)
+    module = FederatedModule(
+        cls(), NETWORKS[network](), eval_every=1, eval_last=2, finetune=FineTune(1),
+        new_client_finetune=FineTune(1), executor=asked,
+        aggregation="uniform" if cls.needs_uniform_aggregation else "num_samples",
+    )  # fmt: skip
+    dm = TinyDigits()
+    trainer = make_trainer(ROUNDS)
+    trainer.fit(module, datamodule=dm)
+    fitted = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    tested = trainer.test(module, datamodule=dm, verbose=False)[0]
+    return {"module": module, "fit": fitted, "test": tested}
+
+
+@pytest.mark.parametrize(
+    "network", ["mlp", *(pytest.param(n, marks=pytest.mark.slow) for n in NETWORKS if n != "mlp")]
+)  # a CNN fit pair takes a few seconds on 2 cores
+@pytest.mark.parametrize("name", _vectorizable())
+def test_auto_equals_sequential(name: str, network: str, caplog: pytest.LogCaptureFixture) -> None:
+    try:
+        reference = _fit(name, network, "sequential")
+    except (ConfigError, RuntimeError) as exc:  # the method does not run on this network, on the reference path
+        pytest.skip(f"{name} on {network}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fl_lightning"):
+        auto = _fit(name, network, "auto")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor: ")]
+    assert len(said) == 1, said
+    if network != "cnn_bn":  # the stacked path runs unless a BatchNorm network makes it fall back
+        assert said[0].startswith("executor: stacked ("), said
+    seq, fast = reference["module"], auto["module"]
+    for n, p in seq.net.named_parameters():
+        assert_close_finite(dict(fast.net.named_parameters())[n], p, rtol=1e-5, atol=1e-5, msg=n)
+    for n, b in seq.net.named_buffers():
+        assert torch.allclose(dict(fast.net.named_buffers())[n].float(), b.float(), rtol=1e-5, atol=1e-5), n
+    assert seq.bank.names == fast.bank.names
+    for n in seq.bank.names:
+        assert torch.allclose(fast.bank.row(n).float(), seq.bank.row(n).float(), rtol=1e-5, atol=1e-5), n
+    assert len(seq.history) == len(fast.history) == ROUNDS
+    assert {"val/acc_mean", "val/loss"} <= set(seq.history[0])  # the carved validation split was evaluated
+    for a, b in zip(seq.history, fast.history):
+        assert a.keys() == b.keys()
+        assert_close_finite([b[k] for k in a], [a[k] for k in a], rtol=1e-5, atol=1e-5)
+    for part in ("fit", "test"):
+        assert reference[part].keys() == auto[part].keys()
+        keys = sorted(reference[part])
+        assert_close_finite([auto[part][k] for k in keys], [reference[part][k] for k in keys], rtol=1e-5, atol=1e-5)
+    assert {"test/acc_mean", "test/acc_ft", "test/new_clients_acc"} <= set(reference["test"])
+    summary_keys = ("final", "last10", "final_ft", "plain_final", "new_clients_acc", "upload_bytes")
+    assert_close_finite([fast.summary[k] for k in summary_keys], [seq.summary[k] for k in summary_keys], rtol=1e-5,
+                        atol=1e-5)  # fmt: skip
+
+
+# ---- said once ----------------------------------------------------------------------------------------------------
+def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fl_lightning" and r.levelno == level]
+
+
+def _short_fit(module: FederatedModule) -> FederatedModule:
+    L.seed_everything(0, verbose=False)
+    dm = TinyDigits()
+    make_trainer(ROUNDS, limit_val_batches=0).fit(module, datamodule=dm)
+    return module
+
+
+def test_the_choice_is_said_once_per_run_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="fl_lightning"):
+        _short_fit(FederatedModule(FedRep(1, 1), DigitsMLP(hidden=(16,))))
+    assert [m for m in _said(caplog, logging.INFO) if m.startswith("executor")] == [
+        f"executor: stacked (FedRep is vectorizable, {PER_ROUND} clients at a time on the cpu)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fl_lightning"):
+        _short_fit(FederatedModule(FedRep(1, 1), DigitsMLP(hidden=(16,)), executor="sequential"))
+    assert [m for m in _said(caplog, logging.INFO) if m.startswith("executor")] == [
+        "executor: sequential (model.executor: sequential)"
+    ]
+
+
+def test_vectorized_that_cannot_run_warns_once_and_runs_the_loop(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    calls = {"stacked": 0}
+    original = executor.vector_context
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["stacked"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "vector_context", counted)
+    with caplog.at_level(logging.INFO, logger="fl_lightning"):
+        _short_fit(FederatedModule(_Inherits(1), DigitsMLP(hidden=(16,)), executor="vectorized"))
+    assert _said(caplog, logging.WARNING) == [f"executor 'vectorized' falls back to 'sequential': {NOT_MARKED}"]
+    assert not [m for m in _said(caplog, logging.INFO) if m.startswith("executor")]
+    assert calls["stacked"] == 0
+
+
+def test_the_cohort_size_decides_for_the_whole_run_whatever_drops_out() -> None:
+    """With a DataModule the decision reads its ``clients_per_round`` (this rank's share), not the survivors."""
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(16,)))
+    module.attach_data(TinyDigits().build())
+    assert executor.decide(module, 1).path == "sequential"  # no trainer: the clients at hand
+    module._trainer = SimpleNamespace(datamodule=TinyDigits(), world_size=1)
+    assert executor.decide(module, 1).path == "stacked"  # 3 per round planned, 1 survived
+    module._trainer.world_size = 3
+    assert executor.decide(module, 3).path == "sequential"  # 1 per rank
