@@ -105,11 +105,14 @@ RUN_FILES = ("summary.json", "metrics.csv", "history.json", "clients.csv", "chec
 
 
 def run_dir_state(run_dir: Path) -> str | None:
-    """``finished`` (it has a ``summary.json``), ``unfinished`` (it has other files of a run) or ``None``."""
+    """``finished`` (it has a ``summary.json``), ``unfinished`` (a checkpoint to resume from), ``stale`` (files of a
+    run that stopped before its first checkpoint: nothing to resume, nothing to keep) or ``None`` (no run)."""
     if (run_dir / "summary.json").is_file():
         return "finished"
-    if any((run_dir / name).exists() for name in RUN_FILES if name not in ("config.yaml", "hparams.yaml")):
+    if any((run_dir / "checkpoints").glob("*.ckpt")):
         return "unfinished"
+    if any((run_dir / name).exists() for name in RUN_FILES):
+        return "stale"
     return None
 
 
