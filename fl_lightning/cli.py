@@ -124,16 +124,16 @@ def make_loggers(
         from lightning.pytorch.loggers import WandbLogger
 
         name = wandb.name or run_dir.name
-        extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
-        logger = WandbLogger(
-            project=wandb.project,
-            group=wandb.group,
-            name=name if stage == "fit" else f"{name}-{stage}",
-            tags=list(wandb.tags),
-            save_dir=str(run_dir),
-            mode=mode,
-            **{"job_type": wandb.job_type, **extra},
-        )
+        shown = name if stage == "fit" else f"{name}-{stage}"
+        settings = dict(project=wandb.project, group=wandb.group, name=shown, tags=list(wandb.tags), mode=mode)
+        if stage == "fit" and resume and mode == "offline":
+            from fl_lightning.loggers import continuing_wandb_logger
+
+            run_id = wandb_run_id(run_dir, resume)
+            logger = continuing_wandb_logger(run_dir, run_id, job_type=wandb.job_type, **settings)
+        else:
+            extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
+            logger = WandbLogger(save_dir=str(run_dir), **{"job_type": wandb.job_type, **extra}, **settings)
         logger.log_hyperparams(config)
         loggers.append(logger)
     return loggers

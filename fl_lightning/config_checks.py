@@ -33,18 +33,18 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 def where(key: str, args: list[str]) -> str:
-    """Where ``key`` was set: ``--key`` on the command line, else the last ``--config`` file that sets it (with the
-    line), else ''."""
-    flags = [key, *_init_args_spellings(key)]
-    if any(a == f"--{k}" or a.startswith(f"--{k}=") for a in args for k in flags):
-        return f"--{key}"
-    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    files += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for path in reversed(files):
-        line = yaml_line(path, key)
-        if line is not None:
-            return f"{path} line {line}"
-    return ""
+    """Where ``key`` got its value: the last of the command line's ``--key`` and the ``--config`` files that set
+    it (later ones win, as in the parser), named as ``--key`` or ``FILE line N``; '' if none does."""
+    flags = {f"--{k}" for k in [key, *_init_args_spellings(key)]}
+    found = ""
+    for i, a in enumerate(args):
+        if a in flags or a.split("=", 1)[0] in flags and "=" in a:
+            found = f"--{key}"
+        path = args[i + 1] if a == "--config" and i + 1 < len(args) else a[9:] if a.startswith("--config=") else None
+        if path is not None:
+            line = yaml_line(path, key)
+            found = f"{path} line {line}" if line is not None else found
+    return found
 
 
 def _init_args_spellings(key: str) -> list[str]:

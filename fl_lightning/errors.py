@@ -111,7 +111,9 @@ def _parser_error(text: str) -> str | None:
         value = nested.group(2)
     elif value is None and given:
         value = given.group(1).strip()
-    types = [t for t, _ in expected if t != "NoneType"] or [t for t, _ in expected]
+    types = [t for t, _ in expected if t != "NoneType"]
+    if not types:  # only the "or null" branch of an optional class: the real reason is elsewhere
+        return None
     allowed = " or ".join(dict.fromkeys(_type_word(t.rsplit(".", 1)[-1]) for t in types))
     shown = f"value {value!r} given" if value is not None else "a value of the wrong type given"
     return f"{key}: {shown}, expected {allowed}; fix: --{key} VALUE on the command line or {key} in the config"
@@ -132,8 +134,9 @@ def one_line(exc: BaseException) -> str:
         return f"{key or 'config'}: unknown class '{shown}'{_known(key)}"
     group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", text)
     option = re.search(r"Option '([^']+)' is not accepted", text)
-    if group or (option and not key):
-        name = f"{group.group(1)}.{group.group(2)}" if group else option.group(1)
+    if group or option:
+        keys = [p for k in re.findall(r'Parser key "([^"]+)"', text) for p in k.split(".") if p != "init_args"]
+        name = f"{group.group(1)}.{group.group(2)}" if group else ".".join([*keys, option.group(1)])
         return (f"{name}: unknown key; fix: check the spelling (python train.py fit --help lists every option with "
                 "its type), or drop it")  # fmt: skip
     unexpected = re.search(r"Unexpected (?:config|keys?):?\s*\n?\s*(.*)", text)

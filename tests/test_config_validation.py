@@ -60,7 +60,7 @@ CASES: dict[str, tuple] = {
     "unknown client optimizer": (["--model.client_optimizer", "torch.optim.Adamm"], "unknown class 'Adamm'"),
     "client optimizer wrong argument": (
         ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.init_args.lrr", "0.1"],
-        "model.client_optimizer: Option 'lrr' is not accepted",
+        "model.client_optimizer.lrr: unknown key",
     ),
     "client optimizer bad value": (
         ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr", "-1"],
