@@ -139,7 +139,10 @@ def one_line(exc: BaseException) -> str:
         name = f"{group.group(1)}.{group.group(2)}" if group else ".".join([*keys, option.group(1)])
         return (f"{name}: unknown key; fix: check the spelling (python train.py fit --help lists every option with "
                 "its type), or drop it")  # fmt: skip
-    unexpected = re.search(r"Unexpected (?:config|keys?):?\s*\n?\s*(.*)", text)
+    if text.startswith("Unexpected config"):
+        given = " ".join(text.split()[2:])[:80]
+        return f"a config is not a mapping of keys ({given!r}); fix: model:, data:, trainer: …"
+    unexpected = re.search(r"Unexpected keys?:?\s*\n?\s*(.*)", text)
     if unexpected and not key:
         return f"unknown key(s) {' '.join(unexpected.group(1).split())[:160]}: check the spelling (train.py fit --help)"
     typed = _parser_error(text)
@@ -190,4 +193,8 @@ def check_config_files(args: list[str]) -> None:
     for path in paths:
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
-        load_yaml(path)
+        data = load_yaml(path)
+        if not isinstance(data, dict):
+            what = "empty" if data is None else f"a {type(data).__name__}, not a mapping"
+            raise ConfigError(f"config file {path} is {what}; fix: a config is a mapping of sections (model:, data:, "
+                              f"trainer:, …), or drop --config {path}")  # fmt: skip

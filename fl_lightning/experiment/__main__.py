@@ -74,6 +74,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fl_lightning.experiment.spec import ExperimentError, load_experiment, override
 
     experiment = load_experiment(args.file, runs_dir=args.runs_dir)
+    unknown = [b for b in args.by or () if b not in (*experiment.axes, "experiment")]
+    if unknown:
+        raise ExperimentError(f"--by {unknown[0]}: not an axis of {args.file}; fix: one of "
+                              f"{', '.join([*experiment.axes, 'experiment'])}")  # fmt: skip
     extra = []
     for item in args.set:
         key, sep, value = item.partition("=")

@@ -121,6 +121,12 @@ def test_a_parser_error_is_one_line_with_key_value_and_expected_type(case, tmp_p
     assert "Parser key" not in line and "<class" not in line
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "- 1\n"])
+def test_a_config_file_that_is_not_a_mapping_is_named(text, tmp_path, capsys):
+    bad = yaml_file(tmp_path, text)
+    refused(capsys, train(tmp_path / "run", "--config", bad), f"config file {bad}", "mapping", "fix:")
+
+
 def test_an_unknown_key_in_a_config_file_is_named(tmp_path, capsys):
     bad = yaml_file(tmp_path, "model:\n  learning_rate: 0.1\n")
     refused(capsys, train(tmp_path / "run", "--config", bad), "model.learning_rate", "unknown key", "fix:")
@@ -143,6 +149,11 @@ def test_an_axis_value_given_twice_is_refused(tmp_path, capsys):
     refused(capsys, experiment_main(["run", path, "--dry-run"]), path, "axes.model.lr", "0.01", "twice", "fix:")
     seeds = experiment_file(tmp_path, "axes:\n  seed: [0, 1, 0]\n")
     refused(capsys, experiment_main(["run", seeds, "--dry-run"]), "axes.seed", "seed 0", "twice")
+    by = experiment_file(tmp_path, "axes:\n  seed: [0, 1]\n")
+    refused(capsys, experiment_main(["run", by, "--dry-run", "--by", "method"]), "--by method", "seed", "fix:")
+    with pytest.raises(SystemExit) as exit_:  # argparse's own mistakes: one line too
+        experiment_main(["run", by, "--jobz", "2"])
+    refused(capsys, exit_.value.code, "--jobz", "--help")
 
 
 def test_an_experiment_run_with_an_out_of_range_value_is_refused_before_any_run(tmp_path, capsys):
