@@ -388,3 +388,27 @@ def test_a_finished_run_is_byte_identical_after_every_refused_command(finished, 
         code = train(finished, "--checkpoint_every", "1", *args)
         refused(capsys, code)
         assert snapshot(finished) == before, args
+
+
+# ---- one W&B run per run, no round logged twice -----------------------------------------------------------------
+
+
+@pytest.mark.slow  # W&B's service starts twice
+def test_a_resumed_offline_wandb_run_logs_no_round_twice(tmp_path, monkeypatch, capsys):
+    from fl_lightning.experiment.wandb_files import offline_runs
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    args = ["--checkpoint_every", "2", "--wandb.mode", "offline"]
+    assert train(run_dir, *args, steps="4") == 0
+    (first,) = offline_runs(run_dir, wait_s=60)
+    # killed after round 4 was logged, before its checkpoint: the resume recomputes rounds 3 and 4 (steps 2, 3)
+    for name in ("summary.json", "checkpoints/round00004.ckpt", "checkpoints/last.ckpt"):
+        (run_dir / name).unlink()
+    assert train(run_dir, *args, "--ckpt_path", "last", steps="4") == 0
+    capsys.readouterr()
+    runs = offline_runs(run_dir, wait_s=60)
+    assert len(runs) == 2 and {r.id for r in runs} == {first.id}  # one W&B run (two folders, synced in order)
+    steps = [row["trainer/global_step"] for r in runs for row in r.history if "val/acc_mean" in row]
+    assert sorted(steps) == [0, 1, 2, 3]  # every round once
+    assert runs[-1].summary["summary/rounds"] == 4
