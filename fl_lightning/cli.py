@@ -197,6 +197,9 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
                 self.ckpt_path = guard_run_dir(
                     run_dir, cfg.ckpt_path, cfg.overwrite, trainer_cfg.get("max_steps"), full_config
                 )
+            elif stage == "fit" and not is_launching_process() and cfg.ckpt_path == "last":
+                if not any((run_dir / "checkpoints").glob("*.ckpt")):  # the launching process found nothing to
+                    self.ckpt_path = None  # resume in a dir left before its first checkpoint and started afresh
             if stage == "fit" and self.ckpt_path:
                 self.save_config_callback = None  # config.yaml records what trained the first rounds: kept
             self.run_dir = run_dir
