@@ -546,7 +546,9 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
     except ConfigError:
         raise
     except ArgumentError as exc:
-        raise ConfigError(one_line(exc)) from None
+        from fl_lightning.config_checks import locate
+
+        raise ConfigError(locate(one_line(exc), args)) from None
     except RunFinished as done:
         print(f"{done.run_dir} is finished ({done.summary.get('rounds')} rounds, summary.json): nothing to resume; "
               "--overwrite true trains it again")  # fmt: skip

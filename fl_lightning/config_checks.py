@@ -47,6 +47,15 @@ def where(key: str, args: list[str]) -> str:
     return found
 
 
+def locate(line: str, args: list[str]) -> str:
+    """A one-line parser error ``key: …`` with where the key was set: ``key (FILE line N): …``."""
+    key, sep, rest = line.partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", key):
+        return line
+    source = where(key, args)
+    return f"{key} ({source}):{rest}" if source else line
+
+
 def _init_args_spellings(key: str) -> list[str]:
     parts = key.split(".")
     return [".".join([*parts[:i], "init_args", *parts[i:]]) for i in range(1, len(parts))]

@@ -64,7 +64,9 @@ def parse_train_args(args: list[str]) -> dict[str, Any]:
     except ConfigError:
         raise
     except (ArgumentError, TypeError, ValueError) as exc:
-        raise ConfigError(one_line(exc)) from None
+        from fl_lightning.config_checks import locate
+
+        raise ConfigError(locate(one_line(exc), args)) from None
     finally:
         sys.argv = argv
         logging.disable(logging.NOTSET)

@@ -130,6 +130,8 @@ def test_a_config_file_that_is_not_a_mapping_is_named(text, tmp_path, capsys):
 def test_an_unknown_key_in_a_config_file_is_named(tmp_path, capsys):
     bad = yaml_file(tmp_path, "model:\n  learning_rate: 0.1\n")
     refused(capsys, train(tmp_path / "run", "--config", bad), "model.learning_rate", "unknown key", "fix:")
+    wrong = yaml_file(tmp_path, "model:\n  momentum: 0.1\n  lr: fast\n", "wrong.yaml")
+    refused(capsys, train(tmp_path / "run", "--config", wrong), f"model.lr ({wrong} line 3)", "'fast'", "number")
 
 
 # ---- experiment files ----------------------------------------------------------------------------------------------
