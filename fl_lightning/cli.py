@@ -163,7 +163,7 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
             parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
             parser.add_argument(
-                "--overwrite", type=bool, default=False, help="fit: replace the run that --run_dir holds."
+                "--overwrite", type=bool, default=False, help="fit: true replaces the run in --run_dir."
             )
             parser.add_argument(
                 "--tf32", type=bool, default=True, help="float32 matmuls/convolutions on CUDA use TF32 (set_tf32)."
