@@ -50,6 +50,7 @@ common options:
   --ckpt_path PATH|last   fit: resume from it; validate/test: the checkpoint to evaluate
                           ('last' = the newest loadable checkpoint of the run directory)
   --run_dir DIR           output folder (default: runs/<config file names>)
+  --overwrite true        fit: start the run in --run_dir again (its old files are removed)
   --checkpoint_every N    fit: save a checkpoint every N rounds (default 10)
   --wandb.mode MODE       auto | online | offline | disabled (auto: online when logged in, else offline)
   --print_config          print the resolved config and exit
