@@ -355,11 +355,12 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """``key saved -> new`` for every setting that differs and is not in :data:`RESUME_MAY_CHANGE`."""
+    """``key saved -> new`` for every setting that differs and is not in :data:`RESUME_MAY_CHANGE` (a key that only
+    one side has, e.g. an option added to the code since the run started, is not compared)."""
     old, new = flatten(saved), flatten(config)
     out = []
     for key in dict.fromkeys([*old, *new]):
-        if any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE):
+        if any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE) or key not in old or key not in new:
             continue
         a, b = old.get(key), new.get(key)
         if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)):
