@@ -335,9 +335,10 @@ def guard_run_dir(
     return ckpt_path
 
 
-#: what a resume may change: the length of the run, logging, W&B and where things are written (none of it changes
-#: the numbers of the rounds already trained or of the rounds to come)
-RESUME_MAY_CHANGE = ("trainer.max_steps", "trainer.max_time", "trainer.enable_progress_bar",
+#: what a resume may change: the length of the run, logging, W&B, callbacks (early stopping, extra checkpoints,
+#: monitors) and where things are written (none of it changes the numbers of the rounds trained)
+RESUME_MAY_CHANGE = ("trainer.max_steps", "trainer.max_time", "trainer.callbacks", "trainer.profiler",
+                     "trainer.enable_progress_bar",
                      "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.logger",
                      "trainer.default_root_dir", "trainer.enable_checkpointing", "ckpt_path", "run_dir", "config",
                      "checkpoint_every", "overwrite", "wandb", "print_config", "__path__")  # fmt: skip
