@@ -382,8 +382,8 @@ def check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
         shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
         raise ConfigError(
             f"--ckpt_path: {run_dir} was trained with other settings ({path}): {shown}; fix: resume with the run's "
-            "own settings (only trainer.max_steps, logging and W&B options may change), or start a new run with "
-            "another --run_dir"
+            "own settings (only trainer.max_steps, callbacks, logging and W&B options may change), or start a new run "
+            "with another --run_dir"
         )
 
 
