@@ -48,12 +48,13 @@ def where(key: str, args: list[str]) -> str:
 
 
 def locate(line: str, args: list[str]) -> str:
-    """A one-line parser error ``key: …`` with where the key was set: ``key (FILE line N): …``."""
+    """A one-line parser error ``key: …`` with the config file that set the key: ``key (FILE line N): …`` (a key
+    from the command line is already where the user typed it)."""
     key, sep, rest = line.partition(":")
     if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", key):
         return line
     source = where(key, args)
-    return f"{key} ({source}):{rest}" if source else line
+    return f"{key} ({source}):{rest}" if source and not source.startswith("--") else line
 
 
 def _init_args_spellings(key: str) -> list[str]:
