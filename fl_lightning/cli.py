@@ -135,9 +135,28 @@ def make_loggers(
         else:
             extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
             logger = WandbLogger(save_dir=str(run_dir), **{"job_type": wandb.job_type, **extra}, **settings)
-        logger.log_hyperparams(config)
+        try:
+            logger.log_hyperparams(config)  # starts the W&B run
+        except Exception as exc:  # W&B's own checks (pydantic Settings, UsageError): one line naming the option
+            raise ConfigError(wandb_problem(exc)) from None
         loggers.append(logger)
     return loggers
+
+
+def wandb_problem(exc: BaseException) -> str:
+    """W&B's refusal to start (``1 validation error for Settings`` over several lines, a ``UsageError``) as one
+    line that names the ``wandb.*`` option."""
+    import re
+
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.strip().startswith("For further")]
+    field = next((ln for ln in lines[1:2] if re.fullmatch(r"\w+", ln)), "")
+    options = {"run_tags": "wandb.tags", "project": "wandb.project", "run_group": "wandb.group",
+               "run_name": "wandb.name", "run_job_type": "wandb.job_type", "mode": "wandb.mode"}  # fmt: skip
+    option = options.get(field, "wandb")
+    detail = re.sub(r"\s*\[type=.*$", "", lines[2] if field and len(lines) > 2 else (lines or [type(exc).__name__])[0])
+    if "project name" in detail:
+        option = "wandb.project"
+    return f"{option}: W&B refuses it: {detail.removeprefix('Value error, ')}; fix: change --{option}"
 
 
 def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):

@@ -141,6 +141,14 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
     if "mode" in wandb and wandb["mode"] not in WANDB_MODES:
         raise refuse("wandb.mode", wandb["mode"], f"must be one of {', '.join(WANDB_MODES)}", args,
                      "e.g. --wandb.mode offline")  # fmt: skip
+    bad_tags = [t for t in wandb.get("tags") or [] if not isinstance(t, str) or not 1 <= len(t) <= 64]
+    if bad_tags:
+        raise refuse("wandb.tags", bad_tags[0], "must be strings of 1 to 64 characters (W&B's limit)", args,
+                     "drop or shorten that tag")  # fmt: skip
+    project = wandb.get("project")
+    if isinstance(project, str) and (not project or re.search(r"[/\\#?%:]", project)):
+        raise refuse("wandb.project", project, "must be a non-empty name without / \\ # ? % :", args,
+                     "e.g. --wandb.project fl_lightning (the entity: wandb login or WANDB_ENTITY)")  # fmt: skip
     if _is_number(wandb.get("histogram_every")) and wandb["histogram_every"] < 0:
         raise refuse("wandb.histogram_every", wandb["histogram_every"], "must be an integer ≥ 0 (0: never)", args)
     model = config.get("model")

@@ -79,6 +79,8 @@ RANGES = {
     "zero rounds": (["--trainer.max_steps", "0"], "trainer.max_steps", "0", "≥ 1"),
     "negative server lr": (["--model.server_lr", "-1"], "model.server_lr", "-1", "> 0"),
     "unknown W&B mode": (["--wandb.mode", "onlin"], "wandb.mode", "'onlin'", "offline"),
+    "empty W&B tag": (["--wandb.tags", '[""]'], "wandb.tags", "''", "1 to 64 characters"),
+    "W&B project with a slash": (["--wandb.project", "me/proj"], "wandb.project", "'me/proj'", "without /"),
 }
 
 
@@ -237,6 +239,19 @@ def test_wandb_online_without_credentials_is_one_line_and_wins_over_the_environm
     from fl_lightning.cli import _wandb_mode
 
     assert _wandb_mode("auto") == "disabled" and _wandb_mode("offline") == "offline"
+
+
+def test_wandb_refusing_to_start_is_one_line_naming_the_option():
+    import wandb
+
+    from fl_lightning.cli import wandb_problem
+
+    with pytest.raises(ValueError) as pydantic:
+        wandb.Settings(mode="offline", run_tags=("",))
+    assert wandb_problem(pydantic.value) == ("wandb.tags: W&B refuses it: Tag at index 0 is empty. Tags must be "
+                                             "between 1 and 64 characters; fix: change --wandb.tags")  # fmt: skip
+    usage = wandb.errors.UsageError("Invalid project name 'a/b': cannot contain characters '/'")
+    assert wandb_problem(usage).startswith("wandb.project: W&B refuses it: Invalid project name 'a/b'")
 
 
 def test_a_disk_too_full_for_the_next_checkpoint_stops_and_keeps_the_previous_one(tmp_path, capsys, monkeypatch):
