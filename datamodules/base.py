@@ -63,6 +63,47 @@ def split_validation(
     return subset(keep, ~in_val), subset(~keep, in_val)
 
 
+def _bad_rows(split: ClientSplit, num_classes: int | None, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Rows of ``split`` with a non-finite feature (or regression target), and rows whose class label is outside
+    ``[0, num_classes)``; checked in chunks of rows (no copy of the whole data)."""
+    n = split.y.shape[0]
+    nonfinite = torch.zeros(n, dtype=torch.bool, device=split.y.device)
+    out_of_range = torch.zeros(n, dtype=torch.bool, device=split.y.device)
+    for lo in range(0, n, chunk):
+        x, y = split.x[lo : lo + chunk], split.y[lo : lo + chunk]
+        if x.is_floating_point() or x.is_complex():
+            nonfinite[lo : lo + len(x)] |= ~torch.isfinite(x.reshape(len(x), -1)).all(1).to(nonfinite.device)
+        flat_y = y.reshape(len(y), -1)
+        if y.is_floating_point():
+            nonfinite[lo : lo + len(y)] |= ~torch.isfinite(flat_y).all(1)
+        elif num_classes is not None:
+            out_of_range[lo : lo + len(y)] |= ((flat_y < 0) | (flat_y >= num_classes)).any(1)
+    return nonfinite, out_of_range
+
+
+def check_trainable(fed: FederatedData, name: str) -> None:
+    """Data that cannot train is refused at ``setup``, once, naming clients and rows: non-finite features (such a
+    client's update is not finite and would be dropped round after round) and labels outside ``[0, num_classes)``."""
+    for split_name, split in (("train", fed.train), ("test", fed.test), ("val", fed.val)):
+        if split is None or split.y.shape[0] == 0:
+            continue
+        nonfinite, out_of_range = _bad_rows(split, fed.num_classes)
+        for bad, what, fix in (
+            (nonfinite, "non-finite values (NaN or inf) in their features", "drop or impute those rows"),
+            (out_of_range, f"labels outside [0, {fed.num_classes})", "relabel them to 0 … num_classes − 1"),
+        ):
+            rows = torch.nonzero(bad).flatten().cpu()
+            if len(rows):
+                owner = split.client_ids().cpu()[rows]
+                local = rows - split.ptr.cpu()[owner]
+                clients = sorted(set(owner.tolist()))
+                examples = ", ".join(f"client {c} row {r}" for c, r in zip(owner[:3].tolist(), local[:3].tolist()))
+                raise ConfigError(
+                    f"data ({name}): {len(rows)} {split_name} rows of {len(clients)} clients {clients[:10]} have "
+                    f"{what} (e.g. {examples}); fix: {fix} before training"
+                )
+
+
 class FederatedDataModule(L.LightningDataModule):
     """Base class. Subclasses implement ``build() -> FederatedData``.
 
@@ -143,10 +184,31 @@ class FederatedDataModule(L.LightningDataModule):
                 raise ConfigError(
                     f"{type(self).__name__} built {fed.num_clients} clients, config says {self.num_clients}"
                 )
+            check_trainable(fed, type(self).__name__)
             if self.val_fraction > 0:
                 train, val = split_validation(fed.train, self.val_fraction, fed.num_classes, self.rng(VAL_SALT))
                 fed = replace(fed, train=train, val=val)
             self.federated = fed
+        self._check_evaluation(stage)
+
+    def _check_evaluation(self, stage: str | None) -> None:
+        """An empty evaluation split makes every accuracy NaN: refused, unless the run turns evaluation off
+        (``trainer.limit_val_batches: 0``, for fit and validate)."""
+        fed = self.federated
+        split = fed.test if stage == "test" or fed.val is None else fed.val
+        if split.y.shape[0] > 0 or stage not in ("fit", "validate", "test", None):
+            return
+        limit = getattr(self.trainer, "limit_val_batches", None) if self.trainer is not None else None
+        if stage != "test" and limit is not None and limit == 0:
+            return
+        fraction = getattr(self, "test_fraction", None)
+        fraction = getattr(getattr(self, "partition", None), "test_fraction", None) if fraction is None else fraction
+        given = f" (test_fraction={fraction})" if fraction is not None else ""
+        raise ConfigError(
+            f"data ({type(self).__name__}): the test split is empty{given}: 0 rows for all {fed.num_clients} clients, "
+            "so every accuracy would be NaN; fix: set data.init_args.test_fraction > 0 (e.g. 0.2), or turn "
+            "evaluation off with --trainer.limit_val_batches 0"
+        )
 
     def train_dataloader(self) -> RoundLoader:
         rounds = self.trainer.max_steps if self.trainer is not None else -1

@@ -246,7 +246,7 @@ def parse(argv: list[str]) -> tuple[FederatedDataModule, Path | None, list[str]]
     """Returns the (not yet set-up) data module, the output folder and the config files given."""
     from jsonargparse import ArgumentError
 
-    from fl_lightning.cli import _one_line, check_config_files
+    from fl_lightning.errors import check_config_files, one_line
 
     check_config_files(argv)
     parser = build_parser()
@@ -255,7 +255,7 @@ def parse(argv: list[str]) -> tuple[FederatedDataModule, Path | None, list[str]]
         instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
         dm = instantiate(cfg).data
     except (ArgumentError, TypeError, ValueError) as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
     seed = cfg.seed_everything
     if isinstance(seed, int) and not isinstance(seed, bool):
         os.environ["PL_GLOBAL_SEED"] = str(seed)  # what LightningCLI's seed_everything sets

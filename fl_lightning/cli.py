@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, check_config_files, one_line
 
 SUBCOMMANDS = ("fit", "validate", "test")
 
@@ -50,6 +50,7 @@ common options:
   --ckpt_path PATH|last   fit: resume from it; validate/test: the checkpoint to evaluate
                           ('last' = the newest loadable checkpoint of the run directory)
   --run_dir DIR           output folder (default: runs/<config file names>)
+  --overwrite true        fit: start the run in --run_dir again (its old files are removed)
   --checkpoint_every N    fit: save a checkpoint every N rounds (default 10)
   --wandb.mode MODE       auto | online | offline | disabled (auto: online when logged in, else offline)
   --print_config          print the resolved config and exit
@@ -74,14 +75,35 @@ class WandbOptions:
     histogram_every: int = 10  #: a histogram of the per-client accuracies every N evaluations (0: never)
 
 
+def wandb_logged_in() -> bool:
+    """Whether W&B has credentials: ``WANDB_API_KEY`` or an ``api.wandb.ai`` entry in ``~/.netrc`` (``wandb login``)."""
+    netrc = Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        in_netrc = netrc.is_file() and "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        in_netrc = False
+    return bool(os.environ.get("WANDB_API_KEY")) or in_netrc
+
+
 def _wandb_mode(requested: str) -> str:
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+    """The W&B mode of a run: an explicit ``--wandb.mode`` (online, offline, disabled) wins; ``auto`` follows
+    ``WANDB_MODE`` when it is set, else online when logged in and offline otherwise."""
     if requested != "auto":
         return requested
-    netrc = Path.home() / ".netrc"
-    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (netrc.exists() and "api.wandb.ai" in netrc.read_text())
-    return "online" if logged_in else "offline"
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb_logged_in() else "offline"
+
+
+def check_wandb(requested: str) -> None:
+    """``--wandb.mode online`` without credentials: one line, before W&B starts (it would ask on the terminal or
+    fail with a traceback)."""
+    if _wandb_mode(requested) == "online" and not wandb_logged_in():
+        source = "--wandb.mode online" if requested == "online" else "WANDB_MODE=online"
+        raise ConfigError(
+            f"{source}: no W&B credentials (no WANDB_API_KEY, no api.wandb.ai in ~/.netrc); fix: run `wandb login` "
+            "or set WANDB_API_KEY, or use --wandb.mode offline (upload later with wandb sync)"
+        )
 
 
 def make_loggers(
@@ -103,26 +125,46 @@ def make_loggers(
         from lightning.pytorch.loggers import WandbLogger
 
         name = wandb.name or run_dir.name
-        extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
-        logger = WandbLogger(
-            project=wandb.project,
-            group=wandb.group,
-            name=name if stage == "fit" else f"{name}-{stage}",
-            tags=list(wandb.tags),
-            save_dir=str(run_dir),
-            mode=mode,
-            **{"job_type": wandb.job_type, **extra},
-        )
-        logger.log_hyperparams(config)
+        shown = name if stage == "fit" else f"{name}-{stage}"
+        settings = dict(project=wandb.project, group=wandb.group, name=shown, tags=list(wandb.tags), mode=mode)
+        if stage == "fit" and resume and mode == "offline":
+            from fl_lightning.loggers import continuing_wandb_logger
+
+            run_id = wandb_run_id(run_dir, resume)
+            logger = continuing_wandb_logger(run_dir, run_id, job_type=wandb.job_type, **settings)
+        else:
+            extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
+            logger = WandbLogger(save_dir=str(run_dir), **{"job_type": wandb.job_type, **extra}, **settings)
+        try:
+            logger.log_hyperparams(config)  # starts the W&B run
+        except Exception as exc:  # W&B's own checks (pydantic Settings, UsageError): one line naming the option
+            raise ConfigError(wandb_problem(exc)) from None
         loggers.append(logger)
     return loggers
 
 
-def _make_cli_class(stage: str = "fit"):
+def wandb_problem(exc: BaseException) -> str:
+    """W&B's refusal to start (``1 validation error for Settings`` over several lines, a ``UsageError``) as one
+    line that names the ``wandb.*`` option."""
+    import re
+
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.strip().startswith("For further")]
+    field = next((ln for ln in lines[1:2] if re.fullmatch(r"\w+", ln)), "")
+    options = {"run_tags": "wandb.tags", "project": "wandb.project", "run_group": "wandb.group",
+               "run_name": "wandb.name", "run_job_type": "wandb.job_type", "mode": "wandb.mode"}  # fmt: skip
+    option = options.get(field, "wandb")
+    detail = re.sub(r"\s*\[type=.*$", "", lines[2] if field and len(lines) > 2 else (lines or [type(exc).__name__])[0])
+    if "project name" in detail:
+        option = "wandb.project"
+    return f"{option}: W&B refuses it: {detail.removeprefix('Value error, ')}; fix: change --{option}"
+
+
+def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from fl_lightning.callbacks import RoundCheckpoint
+    from fl_lightning.config_checks import run_dir_problem
     from fl_lightning.engine.module import FP16_REFUSED
     from fl_lightning.loggers import is_launching_process
     from fl_lightning.progress import round_progress
@@ -141,15 +183,17 @@ def _make_cli_class(stage: str = "fit"):
             parser.add_argument("--checkpoint_every", type=int, default=10, help="Save a checkpoint every N rounds.")
             parser.add_argument("--wandb", type=WandbOptions, default=WandbOptions())
             parser.add_argument(
-                "--overwrite", type=bool, default=False, help="fit: replace the run that --run_dir holds."
+                "--overwrite", type=bool, default=False, help="fit: true replaces the run in --run_dir."
             )
             parser.add_argument(
                 "--tf32", type=bool, default=True, help="float32 matmuls/convolutions on CUDA use TF32 (set_tf32)."
             )
 
         def before_instantiate_classes(self) -> None:
+            from fl_lightning.config_checks import check_ranges
             from fl_lightning.sizes import share_sizes  # issue 18: network sizes come from the data
 
+            check_ranges(self.config.as_dict(), list(args))
             share_sizes(self.config)
 
         def instantiate_trainer(self, **kwargs: Any):
@@ -162,19 +206,29 @@ def _make_cli_class(stage: str = "fit"):
             kwargs.update(distributed_strategy(trainer_cfg))
             if str(trainer_cfg.get("precision")) in ("16", "16-mixed"):
                 raise ConfigError(FP16_REFUSED)
-            if cfg.checkpoint_every < 1:
-                raise ConfigError(f"checkpoint_every must be ≥ 1, got {cfg.checkpoint_every}")
             run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
             trial = bool(trainer_cfg.get("fast_dev_run"))  # writes nothing into the run dir
-            if stage == "fit" and not trial and is_launching_process():  # DDP workers start after this check
-                guard_run_dir(run_dir, cfg.ckpt_path, cfg.overwrite, trainer_cfg.get("max_steps"))
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.run_dir = run_dir
+            problem = run_dir_problem(run_dir)
+            if problem:
+                raise ConfigError(f"{problem}; fix: pick another --run_dir")
             full_config = json.loads(self.parser.dump(cfg, skip_none=False, format="json"))
+            self.ckpt_path = cfg.ckpt_path
+            if stage == "fit" and not trial and is_launching_process():  # DDP workers start after this check
+                self.ckpt_path = guard_run_dir(
+                    run_dir, cfg.ckpt_path, cfg.overwrite, trainer_cfg.get("max_steps"), full_config
+                )
+            elif stage == "fit" and not is_launching_process() and cfg.ckpt_path == "last":
+                if not any((run_dir / "checkpoints").glob("*.ckpt")):  # the launching process found nothing to
+                    self.ckpt_path = None  # resume in a dir left before its first checkpoint and started afresh
+            if stage == "fit" and self.ckpt_path:
+                self.save_config_callback = None  # config.yaml records what trained the first rounds: kept
+            self.run_dir = run_dir
+            if not trial and trainer_cfg.get("logger") in (None, True):
+                check_wandb(cfg.wandb.mode)
             if trial:
                 kwargs["logger"] = False
             elif trainer_cfg.get("logger") in (None, True):
-                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, full_config, stage, resume=bool(cfg.ckpt_path))
+                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, full_config, stage, resume=bool(self.ckpt_path))
             kwargs["default_root_dir"] = str(run_dir)
             callbacks = list(trainer_cfg.get("callbacks") or [])
             user_last = any(isinstance(c, ModelCheckpoint) and c.save_last for c in callbacks)
@@ -266,26 +320,90 @@ class RunFinished(Exception):
         self.run_dir, self.summary = run_dir, summary
 
 
-def guard_run_dir(run_dir: Path, ckpt_path: str | None, overwrite: bool, max_steps: int | None) -> None:
-    """A run dir holds one run: starting again in it needs ``--overwrite``; resuming a finished run is a no-op."""
+def guard_run_dir(
+    run_dir: Path, ckpt_path: str | None, overwrite: bool, max_steps: int | None, config: dict[str, Any] | None = None
+) -> str | None:
+    """A run dir holds one run: starting again in it needs ``--overwrite true``; resuming a finished run is a no-op;
+    resuming with a config that changes results is refused (``config`` against the run's ``config.yaml``). A dir
+    left by a run that stopped before its first checkpoint is no trap: it is cleared and the run starts afresh
+    (also with ``--ckpt_path last``). Returns the checkpoint argument to use (``None``: start from round 0)."""
     from fl_lightning.loggers import clear_run_dir, run_dir_state
 
     state = run_dir_state(run_dir)
     if overwrite:
         clear_run_dir(run_dir)
-        return
+        return None if ckpt_path == "last" else ckpt_path
+    if state == "stale":
+        clear_run_dir(run_dir)
+        print(f"note: {run_dir} held a run that stopped before its first checkpoint: starting it afresh")
+        return None if ckpt_path == "last" else ckpt_path
     if state is None:
-        return
+        return ckpt_path
     if ckpt_path is None:
         what = "an unfinished run" if state == "unfinished" else "a finished run (summary.json)"
         raise ConfigError(
-            f"{run_dir} holds {what}: resume it with --ckpt_path last, start it again with --overwrite, "
+            f"{run_dir} holds {what}: resume it with --ckpt_path last, start it again with --overwrite true, "
             "or pick another --run_dir"
         )
+    if config is not None:
+        check_same_run(run_dir, config)
     if state == "finished":
         summary = json.loads((run_dir / "summary.json").read_text())
         if not max_steps or max_steps < 0 or summary.get("rounds", 0) >= max_steps or summary.get("stopped_early"):
             raise RunFinished(run_dir, summary)
+    return ckpt_path
+
+
+#: what a resume may change: the length of the run, logging, W&B, callbacks (early stopping, extra checkpoints,
+#: monitors) and where things are written (none of it changes the numbers of the rounds trained)
+RESUME_MAY_CHANGE = ("trainer.max_steps", "trainer.max_time", "trainer.callbacks", "trainer.profiler",
+                     "trainer.enable_progress_bar",
+                     "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.logger",
+                     "trainer.default_root_dir", "trainer.enable_checkpointing", "ckpt_path", "run_dir", "config",
+                     "checkpoint_every", "overwrite", "wandb", "print_config", "__path__")  # fmt: skip
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{dotted.key: leaf}`` (``init_args`` levels left out of the names; lists are leaves)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
+        out.update(flatten(value, name) if isinstance(value, dict) and value else {name: value})
+    return out
+
+
+def config_differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """``key saved -> new`` for every setting that differs and is not in :data:`RESUME_MAY_CHANGE` (a key that only
+    one side has, e.g. an option added to the code since the run started, is not compared)."""
+    old, new = flatten(saved), flatten(config)
+    out = []
+    for key in dict.fromkeys([*old, *new]):
+        if any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE) or key not in old or key not in new:
+            continue
+        a, b = old.get(key), new.get(key)
+        if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)):
+            out.append(f"{key} {json.dumps(a)} -> {json.dumps(b)}")
+    return out
+
+
+def check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
+    """A resume continues the run its ``config.yaml`` describes: a difference that changes results is refused."""
+    from fl_lightning.errors import load_yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return
+    saved = load_yaml(path)
+    diffs = config_differences(saved if isinstance(saved, dict) else {}, config)
+    if diffs:
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        raise ConfigError(
+            f"--ckpt_path: {run_dir} was trained with other settings ({path}): {shown}; fix: resume with the run's "
+            "own settings (only trainer.max_steps, callbacks, logging and W&B options may change), or start a new run "
+            "with another --run_dir"
+        )
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -327,6 +445,28 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
     return str(path)
 
 
+def checkpoint_step(path: str | Path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=True).get("global_step", 0))
+
+
+def before_the_end(ckpt: str, run_dir: Path, max_steps: int) -> str | None:
+    """A run killed after its last round but before ``summary.json``: Lightning would resume at the end and do
+    nothing, so the run restarts from its newest checkpoint before the last round (or from round 0) and finishes
+    with its summary, ``clients.csv`` and W&B end (the same numbers: resume is exact)."""
+    if max_steps is None or max_steps < 0 or checkpoint_step(ckpt) < max_steps:
+        return ckpt
+    earlier = []
+    for path in sorted((run_dir / "checkpoints").glob("round*.ckpt"), reverse=True):
+        if checkpoint_problem(path) is None and checkpoint_step(path) < max_steps:
+            earlier.append(str(path))
+    start = earlier[0] if earlier else None
+    print(f"note: {run_dir} stopped after its last round, before summary.json: recomputing from "
+          f"{start or 'round 0'} to write it")  # fmt: skip
+    return start
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of run summaries."""
     headers = ["algorithm", "metric", "final", "last10", "rounds", "wall_s"]
@@ -346,72 +486,6 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-KNOWN = {"model.algorithm": "fl_lightning.algorithms", "model.network": "fl_lightning.models", "data": "datamodules"}
-
-
-def _known(key: str) -> str:
-    import importlib
-
-    for prefix, module in KNOWN.items():
-        if key.startswith(prefix):
-            mod = importlib.import_module(module)
-            names = getattr(mod, "__all__", None) or [n for n in dir(mod) if n[:1].isupper()]
-            return f" (known: {', '.join(sorted(names))})"
-    return ""
-
-
-def _one_line(exc: BaseException) -> str:
-    """Condense an error (jsonargparse nests its causes over many lines) into one readable line."""
-    import re
-
-    text = str(exc).strip() or type(exc).__name__
-    key_match = re.search(r'Parser key "([^"]+)"', text)
-    key = key_match.group(1) if key_match else ""
-    unknown = re.search(r"has no attribute '([^']+)'|No module named '([^']+)'|import path string: (\S+)", text)
-    if unknown:
-        name = re.search(r"class_path '([^']+)'", text)
-        shown = name.group(1) if name else next(g for g in unknown.groups() if g)
-        return f"{key or 'config'}: unknown class '{shown}'{_known(key)}"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    noise = (
-        "Expected a <class 'NoneType'>",
-        "Does not validate",
-        "Expected a path",
-        "Subtypes:",
-        "Errors:",
-        "Given value",
-    )
-    reasons = [ln.lstrip("- ") for ln in lines[1:] if ln.startswith("- ") and not ln.lstrip("- ").startswith(noise)]
-    head = lines[0] if not lines[0].startswith(noise) else ""
-    if reasons:
-        reason = reasons[0]
-        if reason.endswith(":"):  # the detail is on the next line
-            after = lines[lines.index(next(ln for ln in lines if ln.lstrip("- ") == reason)) + 1 :]
-            reason += " " + next((ln for ln in after if not ln.startswith(noise)), "")
-        head = f"{key}: {reason}" if key else reason
-    line = " ".join((head or lines[0]).split())
-    # a class-with-init-args option (model.client_optimizer, …): drop the type's repr and the echoed value
-    line = re.sub(r"Type .*? expects a function or a callable class: ", "", line)
-    return re.sub(r"(\. )?Got value: Namespace\(class_path=.*$", "", line)
-
-
-def check_config_files(args: list[str]) -> None:
-    """Missing or unparsable ``--config`` files, named, before jsonargparse reports them less clearly."""
-    import yaml
-
-    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for path in paths:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-
-
 def split_subcommand(args: list[str]) -> tuple[str, list[str]]:
     """``[fit|validate|test] rest…`` → (subcommand, rest); no subcommand means ``fit``."""
     if args and args[0] in SUBCOMMANDS:
@@ -426,6 +500,7 @@ class _DropNoise:
         "💡 Tip:",
         "TPU available: False",
         "HPU available: False",
+        "GPU available: False",
         "`Trainer(val_check_interval=1)` was configured",
         "Seed set to",
     )
@@ -448,7 +523,9 @@ def quiet_console() -> None:
         r"It is recommended to use `self.log\('(val|test|round)",  # already summed over ranks (torchmetrics)
     ):
         warnings.filterwarnings("ignore", message=pattern)
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    import lightning.pytorch  # noqa: F401 - Lightning gives its loggers their console handlers when imported
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropNoise) for f in handler.filters):
                 handler.addFilter(_DropNoise())
@@ -479,7 +556,7 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
     from fl_lightning.engine.module import FederatedModule
 
     quiet_console()
-    cli_class = _make_cli_class(stage)
+    cli_class = _make_cli_class(stage, args)
     try:
         cli = cli_class(
             FederatedModule,
@@ -492,16 +569,23 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
             parser_kwargs={"exit_on_error": False},
             save_config_kwargs={"overwrite": True},
         )
+    except ConfigError:
+        raise
     except ArgumentError as exc:
-        raise ConfigError(_one_line(exc)) from None
+        from fl_lightning.config_checks import locate
+
+        raise ConfigError(locate(one_line(exc), args)) from None
     except RunFinished as done:
         print(f"{done.run_dir} is finished ({done.summary.get('rounds')} rounds, summary.json): nothing to resume; "
-              "--overwrite trains it again")  # fmt: skip
+              "--overwrite true trains it again")  # fmt: skip
         return done.summary
-    except (TypeError, ValueError, MisconfigurationException) as exc:  # our constructors' or Lightning's checks
-        raise ConfigError(_one_line(exc)) from None
+    except (TypeError, ValueError, KeyError, MisconfigurationException) as exc:  # constructors' or Lightning's checks
+        raise ConfigError(one_line(exc)) from None
+    cli.datamodule.trainer = cli.trainer  # the data checks know whether the run evaluates
     cli.datamodule.setup(stage)  # surface data errors before Lightning starts
-    ckpt = resolve_ckpt(cli.config.ckpt_path, cli.run_dir)
+    ckpt = resolve_ckpt(cli.ckpt_path, cli.run_dir)
+    if stage == "fit" and cli.ckpt_path == "last" and ckpt is not None and not (cli.run_dir / "summary.json").is_file():
+        ckpt = before_the_end(ckpt, cli.run_dir, cli.trainer.max_steps)
     if ckpt is not None:
         check_checkpoint_fits(cli.model, cli.datamodule, ckpt)
     try:
@@ -511,7 +595,7 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
             return _fit(cli, ckpt)
         return _evaluate(cli, stage, ckpt)
     except MisconfigurationException as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
 
 
 def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
@@ -584,7 +668,11 @@ def main(args: list[str] | None = None) -> int:
     try:
         run(args)
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the environment: a full disk, a folder that vanished, …
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''} (a problem of the machine, not of the config)",
+              file=sys.stderr)  # fmt: skip
         return 2
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)

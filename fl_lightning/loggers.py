@@ -96,6 +96,44 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
+def logged_offline(run_dir: Path, run_id: str) -> dict[int, set[str]]:
+    """What the earlier processes of W&B run ``run_id`` already wrote into ``run_dir/wandb/offline-run-*``: the
+    metric keys of every ``trainer/global_step``."""
+    from fl_lightning.experiment.wandb_files import offline_runs
+
+    done: dict[int, set[str]] = {}
+    if not (run_dir / "wandb").is_dir():
+        return done
+    for run in offline_runs(run_dir / "wandb"):
+        if run.id != run_id:
+            continue
+        for row in run.history:
+            step = row.get("trainer/global_step")
+            if isinstance(step, (int, float)):
+                done.setdefault(int(step), set()).update(k for k in row if not k.startswith("_"))
+    return done
+
+
+def continuing_wandb_logger(run_dir: Path, run_id: str, **kwargs: Any) -> Any:
+    """A ``WandbLogger`` for a resumed offline run: a new ``offline-run-*`` folder with the same run id (``wandb
+    sync`` uploads the folders in order into one run), which leaves out every (round, metric) that an earlier folder
+    of the run already holds, so that no round is logged twice (the resumed process recomputes the rounds after
+    its checkpoint; the killed one may have logged some of them)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    done = logged_offline(run_dir, run_id)
+
+    class ContinuingWandbLogger(WandbLogger):
+        def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+            if step is not None and int(step) in done:
+                metrics = {k: v for k, v in metrics.items() if k not in done[int(step)]}
+                if not metrics:
+                    return
+            super().log_metrics(metrics, step)
+
+    return ContinuingWandbLogger(id=run_id, resume="allow", save_dir=str(run_dir), **kwargs)
+
+
 # ---- what a run dir holds ----------------------------------------------------------------------------------------
 
 #: files and folders a training run writes into its run dir (``run.json`` and ``train.log`` are the experiment
@@ -105,11 +143,14 @@ RUN_FILES = ("summary.json", "metrics.csv", "history.json", "clients.csv", "chec
 
 
 def run_dir_state(run_dir: Path) -> str | None:
-    """``finished`` (it has a ``summary.json``), ``unfinished`` (it has other files of a run) or ``None``."""
+    """``finished`` (it has a ``summary.json``), ``unfinished`` (a checkpoint to resume from), ``stale`` (files of a
+    run that stopped before its first checkpoint: nothing to resume, nothing to keep) or ``None`` (no run)."""
     if (run_dir / "summary.json").is_file():
         return "finished"
-    if any((run_dir / name).exists() for name in RUN_FILES if name not in ("config.yaml", "hparams.yaml")):
+    if any((run_dir / "checkpoints").glob("*.ckpt")):
         return "unfinished"
+    if any((run_dir / name).exists() for name in RUN_FILES):
+        return "stale"
     return None
 
 

@@ -30,8 +30,6 @@ ALLOWED_FOR_DATAMODULES = (
 )
 #: arrows that break a rule today, each with the change that removes it
 KNOWN_EXCEPTIONS = {
-    # removed on branch bad-input (the one-line error helpers move next to fl_lightning/errors.py)
-    ("datamodules.partition_report", "fl_lightning.cli"),
     # ``make_generator`` (the per-client random streams of the client contract) is read by three algorithms from
     # the engine; it moves with the client contract (fl_lightning/client.py, algorithms/*: branch engine-stacked)
     ("fl_lightning.algorithms.alternating_gd", "fl_lightning.engine.rounds"),

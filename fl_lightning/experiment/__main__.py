@@ -3,13 +3,19 @@
 run      expand an experiment file into runs (methods × datasets × seeds × overrides), check every run with
          train.py's parser, run them (skipping finished ones, resuming unfinished ones), then print the table
          and write runs/<name>/results.json and PNGs.
-compare  the same table and plots from any finished run dirs (any mix of experiments), or from a W&B group.
+compare  the same table and plots from any finished run dirs (any mix of experiments), or from a W&B group, into
+         results/compare/<a name made of its inputs>/ (or --out DIR); a folder that holds another comparison is
+         never overwritten silently.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from fl_lightning.errors import ConfigError
@@ -20,9 +26,17 @@ def _list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message}; fix: see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fl_lightning.experiment", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = OneLineParser(prog="python -m fl_lightning.experiment", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     def table_options(p: argparse.ArgumentParser, metric_default: str | None) -> None:
@@ -49,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("run_dirs", nargs="*", type=Path, help="run dirs or folders holding them")
     compare.add_argument("--wandb", metavar="PROJECT", default=None, help="read a W&B group instead (entity/project)")
     compare.add_argument("--group", default=None, help="the W&B group (= the experiment name)")
-    compare.add_argument("--out", type=Path, default=Path("results/compare"), help="folder for results.json, PNGs")
+    compare.add_argument("--out", type=Path, default=None,
+                         help="folder for results.json, PNGs (default results/compare/<name of the inputs>)")
+    compare.add_argument("--overwrite", action="store_true", help="replace a comparison of other inputs in --out")
     table_options(compare, "last10")
     return parser
 
@@ -61,6 +77,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fl_lightning.experiment.spec import ExperimentError, load_experiment, override
 
     experiment = load_experiment(args.file, runs_dir=args.runs_dir)
+    unknown = [b for b in args.by or () if b not in (*experiment.axes, "experiment")]
+    if unknown:
+        raise ExperimentError(f"--by {unknown[0]}: not an axis of {args.file}; fix: one of "
+                              f"{', '.join([*experiment.axes, 'experiment'])}")  # fmt: skip
     extra = []
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -93,18 +113,73 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ConfigError("compare --wandb PROJECT needs --group G (the experiment name)")
         if args.run_dirs:
             raise ConfigError("compare: give run dirs or --wandb, not both")
-        results = from_wandb(args.wandb, args.group, curve_keys=[args.curve or "val/acc_mean"])
+        inputs = [f"wandb:{args.wandb}/{args.group}"]
+        try:
+            results = from_wandb(args.wandb, args.group, curve_keys=[args.curve or "val/acc_mean"])
+        except ConfigError:
+            raise
+        except Exception as exc:  # no network, no login, no such project: W&B raises many kinds
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise ConfigError(
+                f"compare --wandb {args.wandb}: W&B cannot be read ({type(exc).__name__}: {reason}); fix: check the "
+                "network and `wandb login`, or compare run dirs (offline runs: compare runs/<name> directly)"
+            ) from None
     else:
         if not args.run_dirs:
             raise ConfigError("compare: give run dirs (or folders holding them), or --wandb PROJECT --group G")
+        inputs = [str(p) for p in args.run_dirs]
         results = from_run_dirs(args.run_dirs)
-    text, path, plots = write_report(results, args.out, args.by, args.metric, args.format, args.curve)
+    check_table_options(results, args.metric, args.by)
+    out = args.out or Path("results") / "compare" / compare_name(inputs)
+    claim_out_dir(out, inputs, args.overwrite)
+    text, path, plots = write_report(results, out, args.by, args.metric, args.format, args.curve)
     print(text)
     print()
     for p in plots:
         print(f"plot: {p}")
     print(f"results: {path}")
     return 0
+
+
+def compare_name(inputs: Sequence[str]) -> str:
+    """A folder name for a comparison: its inputs' names (shortened) and a hash of all of them."""
+    names = [Path(i.rstrip("/")).name or "root" for i in inputs]
+    stem = re.sub(r"[^A-Za-z0-9_.+=-]+", "-", "+".join(names)).strip("-")[:60] or "compare"
+    digest = hashlib.sha1("\n".join(sorted(str(Path(i).resolve()) if not i.startswith("wandb:") else i
+                                            for i in inputs)).encode()).hexdigest()[:8]  # fmt: skip
+    return f"{stem}-{digest}"
+
+
+def claim_out_dir(out: Path, inputs: Sequence[str], overwrite: bool) -> None:
+    """``out`` holds this comparison (``compare.json`` names its inputs): a folder that holds another comparison,
+    or other results, is refused unless ``--overwrite``."""
+    record = out / "compare.json"
+    mine = sorted(str(Path(i).resolve()) if not i.startswith("wandb:") else i for i in inputs)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"compare --out {out} is a file; fix: pick a folder path")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        try:
+            theirs = json.loads(record.read_text()).get("inputs")
+        except (OSError, ValueError, AttributeError):
+            theirs = None
+        if theirs != mine:
+            what = f"a comparison of {', '.join(theirs)[:120]}" if theirs else "other files"
+            raise ConfigError(f"compare --out {out} holds {what}; fix: pick another --out, or add --overwrite to "
+                              "replace it")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"inputs": mine}, indent=1) + "\n")
+
+
+def check_table_options(results: Sequence, metrics: Sequence[str] | None, by: Sequence[str] | None) -> None:
+    """A ``--metric`` that no run reports, or a ``--by`` that no run has, would print a table of dashes."""
+    known = sorted({k for r in results for k, v in r.summary.items() if isinstance(v, (int, float))})
+    for m in metrics or ():
+        if not any(m in r.summary for r in results):
+            raise ConfigError(f"--metric {m}: no run reports it; fix: one of {', '.join(known)}")
+    axes = sorted({a for r in results for a in r.axes} | {"experiment", "seed"})
+    for b in by or ():
+        if b not in axes:
+            raise ConfigError(f"--by {b}: no run has this axis; fix: one of {', '.join(axes)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`
 labels and the command. A run dir is
 
 - *finished* when its ``summary.json`` reports ``trainer.max_steps`` rounds: skipped;
-- *resumable* when it holds a checkpoint: continued with ``--ckpt_path last``;
+- *resumable* when it holds a checkpoint: continued with ``--ckpt_path last`` (also a run killed after its last
+  round and before ``summary.json``: the resume writes the summary);
 - otherwise started from scratch (``--overwrite`` clears what a run that never checkpointed left behind).
 
 A run dir written with other training arguments is not touched (one line says so; ``--overwrite`` reruns it).
@@ -128,6 +129,7 @@ def _finish_wandb() -> None:
 def run_in_process(args: list[str], log_path: Path) -> tuple[str, str]:
     """``train.py args`` in this process; returns (status, one-line error)."""
     from fl_lightning import cli
+    from fl_lightning.errors import one_line
 
     argv, sys.argv = sys.argv, [str(TRAIN_PY)]
     try:
@@ -141,7 +143,7 @@ def run_in_process(args: list[str], log_path: Path) -> tuple[str, str]:
                 return "interrupted", "interrupted"
             except Exception as exc:
                 traceback.print_exc(file=log)
-                return "failed", cli._one_line(exc)
+                return "failed", one_line(exc)
             finally:
                 with contextlib.suppress(Exception):
                     _finish_wandb()
@@ -359,6 +361,8 @@ def execute(
 
     def report(i: int, status: str, error: str, seconds: float) -> None:
         run = runs[i]
+        if status == "done" and not (run.run_dir / "summary.json").is_file():  # [done] means summary.json exists
+            status, error = "failed", "stopped before its summary.json (the same command resumes it)"
         outcomes[i] = Outcome(run, status, error, seconds)
         if status == "done":
             progress.line(f"[done] {run.wandb_name} ({seconds:.0f} s)")

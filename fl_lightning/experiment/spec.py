@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, load_yaml
 
 TOP_KEYS = (
     "name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report", "batch_runs",
@@ -201,17 +201,13 @@ class Experiment:
 
 def load_experiment(path: str | Path, runs_dir: str | Path | None = None) -> Experiment:
     """Read and validate an experiment file; every problem is an :class:`ExperimentError` naming file and key."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ExperimentError(f"experiment file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ExperimentError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        data = load_yaml(path)  # a method label or a key given twice is refused, not silently merged
+    except ConfigError as exc:
+        raise ExperimentError(str(exc)) from None
     return parse_experiment(data, source=str(path), base=path.resolve().parent, runs_dir=runs_dir)
 
 
@@ -280,12 +276,17 @@ def parse_experiment(
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise fail(key, f"{v!r} is not an integer seed")
             if len(set(values)) != len(values):
-                raise fail(key, "repeated seed")
+                repeated = next(v for i, v in enumerate(values) if v in values[:i])
+                raise fail(key, f"seed {repeated} is given twice (values {values}); fix: list each seed once")
             axes[axis] = [AxisValue("seed", f"s{v}", f"seed:{v}", (), (f"--seed_everything={v}",), v) for v in values]
         elif "." in axis:
             if not isinstance(values, list) or not values:
                 raise fail(key, "a dotted-key axis takes a non-empty list of values")
             leaf = axis.rsplit(".", 1)[1]
+            repeated = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeated:
+                raise fail(key, f"{arg_value(repeated[0])} is given twice (values {arg_value(values)}): two runs would "
+                           "share one run dir and count as two seeds; fix: list each value once")  # fmt: skip
             points = []
             for v in values:
                 if isinstance(v, (dict, list)):
@@ -293,6 +294,9 @@ def parse_experiment(
                 label = f"{leaf}={arg_value(v)}"
                 if not LABEL.match(label):
                     raise fail(key, f"{v!r} cannot be used in a folder name")
+                if any(p.label == label for p in points):
+                    raise fail(key, f"{v!r} and another value both give the run dir label {label!r}; fix: list each "
+                               "value once")  # fmt: skip
                 points.append(AxisValue(axis, label, f"{axis}:{arg_value(v)}", (), (override(axis, v),), v))
             axes[axis] = points
         else:

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from fl_lightning.errors import ConfigError
+from fl_lightning.errors import ConfigError, check_config_files, one_line
 from fl_lightning.experiment.spec import Experiment, ExperimentError, RunSpec
 
 
@@ -35,10 +35,13 @@ def parse_train_args(args: list[str]) -> dict[str, Any]:
     from fl_lightning import cli
     from fl_lightning.engine.module import FederatedModule
 
-    cli.check_config_files(args)
+    check_config_files(args)
 
-    class ParseOnly(cli._make_cli_class()):
+    class ParseOnly(cli._make_cli_class("fit", args)):
         def before_instantiate_classes(self) -> None:
+            from fl_lightning.config_checks import check_ranges
+
+            check_ranges(self.config.as_dict(), args)
             raise _Parsed(self.config)
 
     argv, sys.argv = sys.argv, sys.argv[:1]
@@ -58,8 +61,12 @@ def parse_train_args(args: list[str]) -> dict[str, Any]:
             )
     except _Parsed as done:
         return done.config.as_dict()
+    except ConfigError:
+        raise
     except (ArgumentError, TypeError, ValueError) as exc:
-        raise ConfigError(cli._one_line(exc)) from None
+        from fl_lightning.config_checks import locate
+
+        raise ConfigError(locate(one_line(exc), args)) from None
     finally:
         sys.argv = argv
         logging.disable(logging.NOTSET)

@@ -226,9 +226,13 @@ def test_a_run_dir_holds_one_run(tmp_path, capsys):
 
     other = tmp_path / "other"
     (other / "checkpoints").mkdir(parents=True)
-    (other / "metrics.csv").write_text("step\n0\n")  # an unfinished run
+    (other / "checkpoints" / "round00001.ckpt").write_bytes(b"")  # an unfinished run: a checkpoint to resume
     assert train_2(other, "--trainer.max_steps", "2") == 2
-    assert "holds an unfinished run" in capsys.readouterr().err
+    assert "holds an unfinished run" in capsys.readouterr().err and "--overwrite true" in err[0]
+    (other / "checkpoints" / "round00001.ckpt").unlink()
+    (other / "metrics.csv").write_text("step\n0\n")  # a run that stopped before its first checkpoint: reused
+    assert train_2(other, "--trainer.max_steps", "2") == 0
+    assert "starting it afresh" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -421,7 +425,7 @@ CASES: dict[str, tuple] = {
     "unknown client optimizer": (["--model.client_optimizer", "torch.optim.Adamm"], "unknown class 'Adamm'"),
     "client optimizer wrong argument": (
         ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.init_args.lrr", "0.1"],
-        "model.client_optimizer: Option 'lrr' is not accepted",
+        "model.client_optimizer.lrr: unknown key",
     ),
     "client optimizer bad value": (
         ["--model.client_optimizer", "torch.optim.Adam", "--model.client_optimizer.lr", "-1"],

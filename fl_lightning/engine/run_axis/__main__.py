@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args in (["-h"], ["--help"]):
         print(USAGE, end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
-    from fl_lightning.cli import _one_line
     from fl_lightning.engine.run_axis.driver import BatchedRuns
+    from fl_lightning.errors import one_line
 
     try:
         names = logs = None
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_float32_matmul_precision("high")
         outcomes = BatchedRuns(runs, names, logs=logs).run()
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     failed = [o for o in outcomes if o.status != "done"]
     for o in outcomes:

@@ -170,6 +170,7 @@ class BatchedRuns:
     def _thread(self, i: int) -> None:
         from fl_lightning import cli
         from fl_lightning.engine.module import TrainingDiverged
+        from fl_lightning.errors import one_line
 
         outcome = self.outcomes[i]
         with self.lockstep.lock:
@@ -184,13 +185,13 @@ class BatchedRuns:
             except Interrupted:
                 outcome.status, outcome.error = "interrupted", "interrupted"
             except (ConfigError, FileNotFoundError, TrainingDiverged) as exc:
-                outcome.status, outcome.error = "failed", cli._one_line(exc)
+                outcome.status, outcome.error = "failed", one_line(exc)
                 print(f"error: {self.names[i]}: {outcome.error}", file=sys.stderr)
             except BaseException as exc:  # noqa: BLE001 - reported per run; the other runs go on
                 if self.lockstep.stopping:
                     outcome.status, outcome.error = "interrupted", "interrupted"
                 else:
-                    outcome.status, outcome.error = "failed", cli._one_line(exc)
+                    outcome.status, outcome.error = "failed", one_line(exc)
                     traceback.print_exc()
             finally:
                 self.lockstep.leave()
