@@ -118,7 +118,7 @@ def test_objective_passes_the_client_side_information_per_sample() -> None:
     s = torch.tensor([0.75, -0.5], dtype=torch.float64)  # the client's side vector, one per sample in the batch
     ctx = ClientContext(network(True), 0, x, y, s, ClientOptimizer(), F.cross_entropy, make_generator(0, "proto"))
     alg = with_prototypes([3.0, 0.0, 1.0], lam=0.7)
-    got = alg.objective(ctx)(p, x, y)
+    got = alg.objective(ctx).losses(p, x, y)[0].mean()  # the minibatch loss: the mean of the per-sample losses
     known = np.array([1.0, 0.0, 1.0])
     assert_close_finite(got, np_objective(p, x, y, SIDE_SCALE * s.numpy()[None, :], known, 0.7))
 

@@ -31,7 +31,7 @@ def batchnorm_prefixes(params: Params) -> tuple[str, ...]:
 
 
 class FedBN(FedAvg):
-    vectorizable = True  # ctx.sgd and dict operations; the engine runs BN networks sequentially (and logs it)
+    vectorizable = True  # ctx.sgd and dict operations; the stacked path keeps each client's BN statistics [K, ...]
     reveals = (
         "the non-BatchNorm layers after local SGD through the client's own BatchNorm layers (their affine "
         "parameters shape the update); the BN parameters and running statistics are never sent"

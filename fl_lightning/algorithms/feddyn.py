@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params, Penalty
 from fl_lightning.errors import ConfigError
 
 STATE = "grad."
@@ -38,6 +38,7 @@ def _key(name: str) -> str:
 
 
 class FedDyn(Algorithm):
+    vectorizable = True  # ctx.sgd with a Penalty (its linear and proximal terms, gradient in closed form)
     state_prefixes = (STATE,)
     reveals = "Δθ_i, the local model's change, trained with the client's linear term ⟨g_i, θ⟩ (g_i is never sent)"
     state_dependent_uploads = (DELTA,)
@@ -83,16 +84,22 @@ class FedDyn(Algorithm):
         return dict(global_params)
 
     # -- client and server math --------------------------------------------------------------------------------
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def dynamic_regulariser(self, params: Params, data: Params) -> Tensor:
+        """−⟨g_i, θ⟩ + α/2‖θ − θ^{t−1}‖² (``data``: ``grad.<name>`` = g_i, ``<name>`` = θ^{t−1})."""
+        names = [n for n in data if not n.startswith(STATE)]
+        linear = sum((params[n] * data[STATE + n]).sum() for n in names)
+        return -linear + 0.5 * self.alpha * sum(((params[n] - data[n]) ** 2).sum() for n in names)
+
+    def regulariser_gradient(self, params: Params, data: Params) -> Params:
+        """Its gradient in closed form: −g_i + α(θ − θ^{t−1}) (no autograd pass through the term)."""
+        return {n: self.alpha * (params[n] - data[n]) - data[STATE + n] for n in data if not n.startswith(STATE)}
+
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         names = [n for n in ctx.param_names if STATE + n in state]
-        anchor = {n: global_params[n].detach() for n in names}
-        gradient = {n: state[STATE + n].detach() for n in names}
-
-        def dynamic_regulariser(params: Params) -> Tensor:
-            linear = sum((params[n] * gradient[n]).sum() for n in names)
-            return -linear + 0.5 * self.alpha * sum(((params[n] - anchor[n]) ** 2).sum() for n in names)
-
-        params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=dynamic_regulariser)
+        data = {n: global_params[n].detach() for n in names}
+        data.update({STATE + n: state[STATE + n].detach() for n in names})
+        penalty = Penalty(self.dynamic_regulariser, data, self.regulariser_gradient)
+        params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=penalty)
         upload = {DELTA + n: params[n] - global_params[n] for n in self.uploaded_names(params)}
         new_state = dict(state)
         for n in names:  # g_i ← g_i − α(θ_i − θ^{t−1})

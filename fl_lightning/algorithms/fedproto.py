@@ -36,7 +36,7 @@ from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
-from fl_lightning.client import BatchLoss, ClientContext, Params
+from fl_lightning.client import Client, Objective, Params
 from fl_lightning.errors import ConfigError
 
 SUMS = "class_feature_sums"
@@ -44,6 +44,7 @@ COUNTS = "class_counts"
 
 
 class FedProto(Algorithm):
+    vectorizable = True  # ctx.sgd with an Objective, ctx.class_sums and ctx.label_counts
     personal = ("body.", "head.")
     reveals = (
         "per-class prototypes of the client's body features (uploaded as per-class feature sums) and its per-class "
@@ -94,29 +95,26 @@ class FedProto(Algorithm):
         return {"global_prototypes": self.global_prototypes}
 
     # -- client --------------------------------------------------------------------------------------------
-    def objective(self, ctx: ClientContext) -> BatchLoss:
-        """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂, the regulariser only for samples whose class has a global prototype."""
+    def objective(self, ctx: Client) -> Objective:
+        """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂ per sample, the regulariser only for samples whose class has a global
+        prototype (the prototypes are the same for every client: no per-client data)."""
         prototypes, known = self.global_prototypes.detach(), self.known
 
-        def loss(params: Params, x: Tensor, y: Tensor) -> Tensor:
+        def loss(params: Params, x: Tensor, y: Tensor, data: Params) -> Tensor:
             features, out = features_and_outputs(ctx.net, params, x, ctx.side_for(x.shape[0]))
             distance = ((features - prototypes[y]) ** 2).sum(1) * known[y]
-            return ctx.loss_fn(out, y) + self.lam * distance.mean()
+            return ctx.per_sample_loss(out, y) + self.lam * distance
 
-        return loss
+        return Objective(loss)
 
-    @torch.no_grad()
-    def local_prototypes(self, ctx: ClientContext, params: Params) -> tuple[Tensor, Tensor]:
-        """(Σ of φ(x) per class, count per class) over the client's training samples."""
-        num_classes, dim = self.global_prototypes.shape
-        sums = torch.zeros(num_classes, dim, device=ctx.x.device)
-        for i in range(0, ctx.num_samples, 2048):
-            features = body_features(ctx.net, params, ctx.x[i : i + 2048])
-            sums.index_add_(0, ctx.y[i : i + 2048], features.to(sums.dtype))
-        counts = torch.bincount(ctx.y, minlength=num_classes).to(sums.dtype)
-        return sums, counts
+    def local_prototypes(self, ctx: Client, params: Params) -> tuple[Tensor, Tensor]:
+        """(Σ of φ(x) per class, count per class) over the client's training samples, with the trained model (the
+        prototypes of §"Local Model Update" step 2: computed after local training)."""
+        num_classes = self.global_prototypes.shape[0]
+        sums = ctx.class_sums(lambda p, x: body_features(ctx.net, p, x), params, num_classes)
+        return sums, ctx.label_counts(num_classes).to(sums.dtype)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         params = self.client_model(global_params, state)
         params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx))
         sums, counts = self.local_prototypes(ctx, params)
@@ -127,7 +125,7 @@ class FedProto(Algorithm):
             loss=ctx.train_loss,
         )
 
-    def finetune(self, ctx: ClientContext, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
+    def finetune(self, ctx: Client, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
         return ctx.sgd(params, ctx.params_with(prefixes), epochs, objective=self.objective(ctx))
 
     def predict(self, net: nn.Module, params: Params, x: Tensor, side: Tensor | None) -> Tensor:
