@@ -58,13 +58,30 @@ class Objective:
     stacked ``[K, ...]`` in the vectorized executor, which hands each client its own slice (as ``Penalty.data``).
     """
 
-    fn: Callable[[Params, Tensor, Tensor, Params], Tensor | tuple[Tensor, Tensor]]
+    fn: Callable[[Params, Tensor, Tensor, Params], Tensor | tuple[Tensor, ...]]
     data: Params = field(default_factory=dict)
+    #: ``(classes, width)``: ``fn`` returns a third element, per-sample values ``[B, width]`` (FedProto's features
+    #: φ(x), computed by the training pass anyway), whose sums per class of ``y`` over the phase's last epoch (the
+    #: batches of the last epoch that took a step) ``sgd`` leaves in ``ctx.class_sums_seen`` with their counts.
+    collect: tuple[int, int] | None = None
 
-    def losses(self, params: Params, x: Tensor, y: Tensor, data: Params | None = None) -> tuple[Tensor, Tensor]:
-        """(per-sample losses, per-sample logged values) of one client's batch."""
+    def losses(self, params: Params, x: Tensor, y: Tensor, data: Params | None = None) -> tuple[Tensor, ...]:
+        """(per-sample losses, per-sample logged values[, per-sample values to collect]) of one client's batch;
+        the logged values are the losses themselves (the same object) when ``fn`` reports nothing else."""
         out = self.fn(params, x, y, self.data if data is None else data)
-        return out if isinstance(out, tuple) else (out, out)  # ``logged is losses``: nothing else to report
+        if not isinstance(out, tuple):
+            return out, out
+        return (out[0], out[0], *out[2:]) if out[1] is None else out
+
+
+def class_sum_step(sums: tuple[Tensor, Tensor], values: Tensor, y: Tensor, weight: Tensor | None = None) -> None:
+    """Add ``values`` ``[B, D]`` (rows weighted by ``weight``, e.g. a padding mask) to ``sums`` = (per-class sums
+    ``[C, D]``, per-class counts ``[C]``) by the rows' classes ``y``."""
+    total, counts = sums
+    values = values.detach().to(total.dtype)
+    w = torch.ones(y.shape[0], dtype=total.dtype, device=total.device) if weight is None else weight.to(total.dtype)
+    total.index_add_(0, y, values * w[:, None])
+    counts.index_add_(0, y, w)
 
 
 #: A penalty as ``sgd`` accepts it: a ``Penalty``, or a plain ``params -> Tensor`` function (one client only: the
@@ -87,9 +104,6 @@ OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 #: Bank names of the kept client optimiser state: ``client_optimizer.<key>.<parameter name>``.
 STATE_PREFIX = "client_optimizer."
-#: Rows per forward pass of ``class_sums`` (the same chunks on both executors: BatchNorm in train mode normalises each
-#: chunk with its own statistics).
-CLASS_SUM_CHUNK = 2048
 #: The per-parameter step counter that says whether a kept state exists yet (0: fresh, as torch builds it).
 STEPS = "steps"
 
@@ -434,6 +448,8 @@ class ClientContext:
         self.steps_taken: Tensor = torch.zeros((), dtype=torch.long)
         #: the client's kept optimiser state (``state_template`` names), or None: a fresh optimiser per phase
         self.optimizer_state: Params | None = None
+        #: (per-class sums, per-class counts) of an ``Objective.collect`` over the last phase's last epoch
+        self.class_sums_seen: tuple[Tensor, Tensor] | None = None
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
         """Trainable parameter names under ``prefixes``."""
@@ -466,21 +482,6 @@ class ClientContext:
     def label_counts(self, num_classes: int) -> Tensor:
         """How many training samples the client has of each class ``[num_classes]``."""
         return torch.bincount(self.y, minlength=num_classes)
-
-    @torch.no_grad()
-    def class_sums(self, fn: Callable[[Params, Tensor], Tensor], params: Params, num_classes: int) -> Tensor:
-        """Σ of ``fn(params, x)`` (``[B, D]`` per sample) over the client's training samples of each class:
-        ``[num_classes, D]`` (FedProto's prototypes × counts). Rows in chunks of ``CLASS_SUM_CHUNK``."""
-        sums = None
-        for i in range(0, self.num_samples, CLASS_SUM_CHUNK):
-            values = fn(params, self.x[i : i + CLASS_SUM_CHUNK])
-            if sums is None:
-                sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
-            sums.index_add_(0, self.y[i : i + CLASS_SUM_CHUNK], values)
-        if sums is None:  # no data: the width from one sample's worth of zeros
-            width = fn(params, self.x.new_zeros(1, *self.x.shape[1:])).shape[1]
-            sums = torch.zeros(num_classes, width, device=self.x.device)
-        return sums
 
     def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         """The loss of one minibatch for a ``Gradient`` function; ``mask`` is ignored (a client's own batches
@@ -536,6 +537,8 @@ class ClientContext:
         out = {n: t.detach().clone() for n, t in params.items()}
         if self.channels_last:
             out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
+        collect = None if objective is None else objective.collect
+        self.class_sums_seen = None if collect is None else empty_class_sums(collect, self.x.device)
         if not trainable or epochs <= 0:
             return out
         if penalty is not None and not isinstance(penalty, Penalty):
@@ -550,17 +553,23 @@ class ClientContext:
             max_steps = max_steps(self.num_samples, self.step_budget)
         limit = step_limit(self.step_budget, epochs, self.num_samples, bs, max_steps, min_batch)
         steps, loss_sum = 0, torch.zeros((), device=self.x.device)
+        seen = self.class_sums_seen
         for _ in range(epochs):
             if limit is not None and steps >= limit:
                 break
+            first = True
             for x, y in self.batches(bs):
                 if x.shape[0] < min_batch:
                     continue
                 opt.zero_grad(set_to_none=True)
                 if gradient is None:
-                    loss, logged = self._loss_and_logged(objective, out, x, y)
+                    loss, logged, *values = self._loss_and_logged(objective, out, x, y)
                     loss = self._backward(loss, penalty, out, leaves)
                     loss = loss if logged is None else logged
+                    if seen is not None:  # the last epoch's values: start again at each epoch's first step
+                        seen = empty_class_sums(collect, self.x.device, values[0].dtype) if first else seen
+                        class_sum_step(seen, values[0], y)
+                    first = False
                 else:
                     loss = self._set_gradient(gradient, penalty, out, leaves, x, y)
                 opt.step()
@@ -570,18 +579,18 @@ class ClientContext:
                     break
         self.train_loss = loss_sum / max(steps, 1)
         self.steps_taken = torch.tensor(steps)
+        self.class_sums_seen = seen
         if kept:
             self.optimizer_state = save_state(opt, kept, self.optimizer_state, steps)
         return {n: t.detach() for n, t in out.items()}
 
-    def _loss_and_logged(
-        self, objective: Objective | None, out: Params, x: Tensor, y: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        """The minibatch loss (the network's, or the objective's mean) and the objective's logged value, if any."""
+    def _loss_and_logged(self, objective: Objective | None, out: Params, x: Tensor, y: Tensor) -> tuple:
+        """The minibatch loss (the network's, or the objective's mean), the objective's logged value (None: the
+        loss), and the per-sample values it collects, if any."""
         if objective is None:
             return self.loss(out, x, y), None
-        per, logged = objective.losses(out, x, y)
-        return per.mean(), None if logged is per else logged.mean()
+        per, logged, *values = objective.losses(out, x, y)
+        return per.mean(), None if logged is per else logged.mean(), *values
 
     @staticmethod
     def _backward(loss: Tensor, penalty: Penalty | None, out: Params, leaves: Params) -> Tensor:
@@ -625,6 +634,17 @@ class ClientContext:
         if not self.num_samples:
             return torch.zeros((), device=self.x.device)
         return self.loss(params, self.x, self.y).detach()
+
+
+def empty_class_sums(
+    collect: tuple[int, int], device: torch.device, dtype: torch.dtype | None = None, clients: tuple[int, ...] = ()
+) -> tuple[Tensor, Tensor]:
+    """Zero (per-class sums ``[*clients, classes, width]``, per-class counts ``[*clients, classes]``)."""
+    classes, width = collect
+    return (
+        torch.zeros(*clients, classes, width, device=device, dtype=dtype),
+        torch.zeros(*clients, classes, device=device, dtype=dtype),
+    )
 
 
 def has_batchnorm(net: nn.Module) -> bool:
@@ -685,6 +705,8 @@ class Client(Protocol):
     train_loss: Tensor | float
     #: the minibatch steps of the last ``sgd`` phase (per client on the stacked path)
     steps_taken: Tensor
+    #: (per-class sums, counts) of the last phase's ``Objective.collect`` values over its last epoch, or None
+    class_sums_seen: tuple[Tensor, Tensor] | None
 
     @property
     def num_samples(self) -> int | list[int]:
@@ -713,9 +735,6 @@ class Client(Protocol):
 
     def label_counts(self, num_classes: int) -> Tensor:
         """The client's training samples per class: ``[C]`` (``[K, C]`` stacked)."""
-
-    def class_sums(self, fn: Callable[[Params, Tensor], Tensor], params: Params, num_classes: int) -> Tensor:
-        """Σ per class of ``fn(params, x)`` over the client's training samples: ``[C, D]`` (``[K, C, D]``)."""
 
     def mean_loss(self, params: Params) -> Tensor:
         """The loss of ``params`` on all of the client's training data (``[K]`` stacked)."""

@@ -231,11 +231,14 @@ def test_feddyn_client_and_server_updates_match_the_reference_over_rounds():
 
 
 # ---- FedProto ----------------------------------------------------------------------------------------------------
-def fedproto_train(model, x, y, prototypes, known, lam, epochs):
-    """CE + λ·mean_b ‖φ(x_b) − C̄^(y_b)‖² (only samples whose class has a global prototype) by SGD, in place."""
+def fedproto_train(model, x, y, prototypes, known, lam, epochs, seen=None):
+    """CE + λ·mean_b ‖φ(x_b) − C̄^(y_b)‖² (only samples whose class has a global prototype) by SGD, in place; each
+    epoch's (full-batch) features φ(x) appended to ``seen``."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for _ in range(epochs):
         z = model.body(x)
+        if seen is not None:
+            seen.append(z.detach())
         distance = ((z - prototypes[y]) ** 2).sum(1) * known[y].float()
         loss = F.cross_entropy(model.head(z), y) + lam * distance.mean()
         opt.zero_grad()
@@ -252,9 +255,9 @@ def fedproto_reference(run, lam, epochs, count_weighted=True):
         local = []  # (prototypes, counts) per client
         for c in cohort:
             x, y = run.data[c]
-            fedproto_train(models[c], x, y, prototypes, known, lam, epochs)
-            with torch.no_grad():
-                z = models[c].body(x)
+            seen = []
+            fedproto_train(models[c], x, y, prototypes, known, lam, epochs, seen)
+            z = seen[-1]  # the prototypes: features of the last epoch's training pass (Algorithm 1)
             counts = torch.tensor([float((y == j).sum()) for j in range(classes)])
             means = torch.stack([z[y == j].mean(0) if counts[j] else torch.zeros(dim) for j in range(classes)])
             local.append((means, counts))

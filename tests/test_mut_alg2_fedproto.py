@@ -126,7 +126,8 @@ def test_objective_passes_the_client_side_information_per_sample() -> None:
 @pytest.mark.parametrize("lam", [0.0, 1.3])
 def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: float) -> None:
     """One epoch of one minibatch holding all 5 samples: the reported loss is the objective at the start (the mean
-    over the batch does not depend on the shuffle); the first momentum-SGD step is −lr·∇."""
+    over the batch does not depend on the shuffle); the first momentum-SGD step is −lr·∇; the uploaded class sums
+    are of the features that step computed."""
     p, (x, y) = weights(), inputs(5)  # labels 0, 2, 2, 1, 0
     lr = 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
@@ -149,10 +150,10 @@ def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: f
     assert sorted(up.state) == sorted(p)
     for n in p:
         assert_close_finite(up.state[n], new[n])
-    f_new = np_features(new, x)
+    f_seen = np_features(p, x)  # the prototypes come from the training pass's features (before its one step)
     sums = np.zeros((C, H))
     for i, label in enumerate(y.tolist()):
-        sums[label] += f_new[i]
+        sums[label] += f_seen[i]
     assert_close_finite(up.upload["class_feature_sums"], sums)
     assert_close_finite(up.upload["class_counts"], np.array([2.0, 1.0, 2.0]))
     assert up.num_samples == 5

@@ -95,29 +95,25 @@ class FedProto(Algorithm):
         return {"global_prototypes": self.global_prototypes}
 
     # -- client --------------------------------------------------------------------------------------------
-    def objective(self, ctx: Client) -> Objective:
+    def objective(self, ctx: Client, collect: bool = False) -> Objective:
         """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂ per sample, the regulariser only for samples whose class has a global
-        prototype (the prototypes are the same for every client: no per-client data)."""
+        prototype (the prototypes are the same for every client: no per-client data). With ``collect`` the phase
+        also sums φ(x) of its last epoch's batches per class (``ctx.class_sums_seen``: the local prototypes)."""
         prototypes, known = self.global_prototypes.detach(), self.known
 
-        def loss(params: Params, x: Tensor, y: Tensor, data: Params) -> Tensor:
+        def loss(params: Params, x: Tensor, y: Tensor, data: Params) -> tuple[Tensor, None, Tensor]:
             features, out = features_and_outputs(ctx.net, params, x, ctx.side_for(x.shape[0]))
             distance = ((features - prototypes[y]) ** 2).sum(1) * known[y]
-            return ctx.per_sample_loss(out, y) + self.lam * distance
+            return ctx.per_sample_loss(out, y) + self.lam * distance, None, features
 
-        return Objective(loss)
-
-    def local_prototypes(self, ctx: Client, params: Params) -> tuple[Tensor, Tensor]:
-        """(Σ of φ(x) per class, count per class) over the client's training samples, with the trained model (the
-        prototypes of §"Local Model Update" step 2: computed after local training)."""
-        num_classes = self.global_prototypes.shape[0]
-        sums = ctx.class_sums(lambda p, x: body_features(ctx.net, p, x), params, num_classes)
-        return sums, ctx.label_counts(num_classes).to(sums.dtype)
+        return Objective(loss, collect=tuple(self.global_prototypes.shape) if collect else None)
 
     def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
+        """Local training, whose last epoch's features give the prototypes (Algorithm 1 computes them inside the
+        training loop; the authors' ``update_weights_het`` collects ``protos`` of every batch of the last epoch)."""
         params = self.client_model(global_params, state)
-        params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx))
-        sums, counts = self.local_prototypes(ctx, params)
+        params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx, collect=True))
+        sums, counts = ctx.class_sums_seen
         return ClientUpdate(
             upload={SUMS: sums, COUNTS: counts},
             state={n: params[n] for n in state},

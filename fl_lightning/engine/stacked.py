@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +47,6 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fl_lightning.client import (
-    CLASS_SUM_CHUNK,
     STEPS,
     ClientContext,
     ClientOptimizer,
@@ -58,7 +57,9 @@ from fl_lightning.client import (
     Params,
     Penalty,
     PenaltyLike,
+    class_sum_step,
     draws_ahead,
+    empty_class_sums,
     epoch_draws,
     factory_name,
     has_batchnorm,
@@ -306,6 +307,9 @@ class PhasePlan:
     steps: Tensor
     host_steps: list[int]
     lengths: list[list[int]]
+    #: the step at which each client's last epoch (with a step) begins, on the host and on the device (``[K]``)
+    host_last_epoch: list[int] = field(default_factory=list)
+    last_epoch: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -331,18 +335,21 @@ def plan_phase(
     per_client: list[tuple[list[Tensor], list[Tensor]]] = []
     steps: list[int] = []
     lengths: list[list[int]] = []
+    last_epoch: list[int] = []
     caps = list(max_steps) if isinstance(max_steps, Sequence) else [max_steps] * len(sizes)
     for n, start, g, budget, cap in zip(sizes, offsets, generators, budgets, caps):
         limit = step_limit(budget, epochs, n, batch_size, cap, min_batch)
         per_epoch = steps_per_epoch(n, batch_size, min_batch)
         rows, draws, taken = [], [], 0
         lengths.append([])
+        last_epoch.append(0)
         for _ in range(epochs):
             if limit is not None and taken >= limit:
                 break
             perm, drawn = epoch_draws(n, g, augment)
             take = per_epoch if limit is None else min(per_epoch, limit - taken)
             if take:
+                last_epoch[-1] = taken
                 used = min(n, per_epoch * batch_size)
                 padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
                 padded[:used] = perm[:used] + start
@@ -365,10 +372,12 @@ def plan_phase(
             packed[: steps[k], k, :, 0] = torch.cat(rows)
         if draws:
             packed[: steps[k], k, :, 1:] = torch.cat(draws).reshape(steps[k], batch_size, -1)
-    packed = torch.cat([packed.reshape(-1), torch.tensor(steps, dtype=torch.long)])
+    k = len(sizes)
+    packed = torch.cat([packed.reshape(-1), torch.tensor(steps + last_epoch, dtype=torch.long)])
     packed = to_device(packed, device)  # the phase's only host-to-device transfer
-    body, steps_t = packed[: -len(sizes)].view(total, len(sizes), batch_size, width), packed[-len(sizes) :]
-    return PhasePlan(body[..., 0], body[..., 1:] if width > 1 else None, steps_t, steps, lengths)
+    body, tail = packed[: -2 * k].view(total, k, batch_size, width), packed[-2 * k :]
+    rows, draws = body[..., 0], body[..., 1:] if width > 1 else None
+    return PhasePlan(rows, draws, tail[:k], steps, lengths, last_epoch, tail[k:])
 
 
 class VectorizedContext:
@@ -410,6 +419,8 @@ class VectorizedContext:
         self.feature_passes = 0  # how many times a frozen body computed features (for tests and the benchmark)
         #: the clients' kept optimiser state stacked ``[K, ...]`` (``local.state_template`` names), or None: fresh
         self.optimizer_state: Params | None = None
+        #: (per-class sums ``[K, C, D]``, counts ``[K, C]``) of the last phase's ``Objective.collect``, or None
+        self.class_sums_seen: tuple[Tensor, Tensor] | None = None
         self._data: tuple[Tensor, Tensor] | None = None
         self._side: Tensor | None = None  # the client's side vector inside a vmapped step (``batch_loss``)
 
@@ -477,25 +488,6 @@ class VectorizedContext:
         if not self.ys:
             return torch.zeros(0, num_classes, dtype=torch.long, device=self.device)
         return torch.stack([torch.bincount(y, minlength=num_classes) for y in self.ys])
-
-    @torch.no_grad()
-    def class_sums(self, fn: Callable[[Params, Tensor], Tensor], params: Params, num_classes: int) -> Tensor:
-        """``ClientContext.class_sums`` of every client with its own ``params`` (the same chunks): ``[K, C, D]``."""
-        out = []
-        for k, (x, y) in enumerate(zip(self.xs, self.ys)):
-            mine, sums = unstack(params, k), None
-            self._side = None if self.sides is None else self.sides[k]
-            for i in range(0, x.shape[0], CLASS_SUM_CHUNK):
-                values = fn(mine, x[i : i + CLASS_SUM_CHUNK])
-                if sums is None:
-                    sums = torch.zeros(num_classes, values.shape[1], dtype=values.dtype, device=values.device)
-                sums.index_add_(0, y[i : i + CLASS_SUM_CHUNK], values)
-            if sums is None:
-                width = fn(mine, x.new_zeros(1, *x.shape[1:])).shape[1]
-                sums = torch.zeros(num_classes, width, device=self.device)
-            out.append(sums)
-        self._side = None
-        return torch.stack(out)
 
     @torch.no_grad()
     def mean_loss(self, params: Params) -> Tensor:
@@ -582,6 +574,10 @@ class VectorizedContext:
         does not train are returned as given (not copied), BatchNorm buffers as the clients' forward passes left
         them."""
         out = {n: t.detach() for n, t in params.items()}
+        collect = None if objective is None else objective.collect
+        self.class_sums_seen = None
+        if collect is not None:
+            self.class_sums_seen = empty_class_sums(collect, self.device, clients=(self.num_clients,))
         if not trainable or epochs <= 0 or self.num_clients == 0:
             return out
         if penalty is not None and not isinstance(penalty, Penalty):
@@ -675,9 +671,12 @@ class VectorizedContext:
                 x, y = batch_inputs(s), data_y[rows[s]]
                 if step is None:
                     grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
-                    sets: Params = {}
+                    sets, extra = {}, {}
                 else:
-                    grads, losses, sets = step(train, frozen, x, y, mask, self.sides, pdata, odata)
+                    grads, losses, sets, extra = step(train, frozen, x, y, mask, self.sides, pdata, odata)
+                if "values" in extra:  # the rows of each client's last epoch (Objective.collect)
+                    last = (active & (plan.last_epoch <= s)).to(mask.dtype)
+                    self._collect(extra["values"], y, mask * last[:, None])
                 for n, g in grads.items():
                     decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
                     new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
@@ -705,6 +704,16 @@ class VectorizedContext:
         out.update({n: v.detach() for n, v in train.items()})
         out.update({n: frozen[n].detach() for n in changed})
         return out
+
+    def _collect(self, values: Tensor, y: Tensor, weight: Tensor) -> None:
+        """Add a step's per-sample ``values`` ``[K, B, D]`` (rows weighted by ``weight``: the real rows of the
+        clients in their last epoch) to ``class_sums_seen`` by class."""
+        sums, counts = self.class_sums_seen
+        onehot = F.one_hot(y, sums.shape[1]).to(values.dtype) * weight.to(values.dtype)[..., None]  # [K, B, C]
+        self.class_sums_seen = (
+            sums.to(values.dtype) + torch.einsum("kbc,kbd->kcd", onehot, values.detach()),
+            counts.to(values.dtype) + onehot.sum(1),
+        )
 
     def _feature_batches(
         self, body: Params, shared: bool, rows: Tensor, draws: Tensor | None
@@ -782,12 +791,15 @@ class VectorizedContext:
         client's own batch (``FunctionalBatchNorm``), returned among the values the step sets."""
         penalty, gradient, objective = phase.penalty, phase.gradient, phase.objective
 
-        def minibatch_loss(full: Params, x: Tensor, y: Tensor, m: Tensor, od: Params) -> tuple[Tensor, Tensor | None]:
+        def minibatch_loss(full: Params, x: Tensor, y: Tensor, m: Tensor, od: Params) -> tuple[Tensor, Params]:
+            """(the loss, {"logged": the reported value, "values": the per-sample values to collect} as present)."""
             if objective is None:
-                return self._masked_loss(module, names, full, x, y, m), None
-            per, logged = objective.losses(full, x, y, od)
-            mean = masked_mean(per, m)
-            return mean, None if logged is per else masked_mean(logged, m)
+                return self._masked_loss(module, names, full, x, y, m), {}
+            per, logged, *values = objective.losses(full, x, y, od)
+            aux = {} if logged is per else {"logged": masked_mean(logged, m).detach()}
+            if values and objective.collect is not None:
+                aux["values"] = values[0].detach()
+            return masked_mean(per, m), aux
 
         def client_step(p: Params, fz: Params, x: Tensor, y: Tensor, m: Tensor, side: Tensor | None, pd: Params,
                         od: Params):  # fmt: skip
@@ -796,15 +808,16 @@ class VectorizedContext:
                 batchnorm.begin(m)
             try:
                 sets: Params = {}
+                aux: Params = {}
                 if gradient is None:
                     closed = penalty is not None and penalty.gradient is not None
 
                     def loss_of(q: Params) -> tuple[Tensor, Params]:
                         full = {**fz, **q}
-                        loss, logged = minibatch_loss(full, x, y, m, od)
+                        loss, aux = minibatch_loss(full, x, y, m, od)
                         if penalty is not None and not closed:
                             loss = loss + penalty.fn(full, pd)
-                        return loss, {} if logged is None else {"logged": logged.detach()}
+                        return loss, aux
 
                     g, (loss, aux) = grad_and_value(loss_of, has_aux=True)(p)
                     if closed:
@@ -812,7 +825,7 @@ class VectorizedContext:
                         extra = penalty_gradient(penalty, full, list(p), pd)
                         g = {n: g[n] + extra[n] if n in extra else g[n] for n in p}
                         loss = loss + penalty.fn(full, pd)
-                    loss = aux.get("logged", loss)
+                    loss = aux.pop("logged", loss)
                 else:
                     full = {**fz, **p}
                     g, loss, *rest = gradient(full, x, y, m)
@@ -823,7 +836,7 @@ class VectorizedContext:
                     sets.update(rest[0] if rest else {})
                 if batchnorm is not None:
                     sets.update(batchnorm.updates(fz))
-                return g, loss, sets
+                return g, loss, sets, aux
             finally:
                 self._side = None
 
@@ -844,7 +857,7 @@ class VectorizedContext:
         trainable, penalty, objective = phase.trainable, phase.penalty, phase.objective
         buffers = [n for n in out if n not in trainable and n in self.buffer_names]
         trained: dict[str, list[Tensor]] = {n: [] for n in [*trainable, *buffers]}
-        losses = []
+        losses, collected = [], []
         for k in range(self.num_clients):
             params = {n: _channels_last(v[k]) for n, v in out.items()}
             params.update({n: out[n][k].clone() for n in buffers})
@@ -854,6 +867,7 @@ class VectorizedContext:
             pdata = None if penalty is None else unstack(penalty.data, k)
             odata = None if objective is None else unstack(objective.data, k)
             loss_sum = torch.zeros((), device=self.device)
+            seen = None
             for s, length in enumerate(plan.lengths[k]):
                 rows = plan.rows[s, k, :length]
                 x = data_x[rows]
@@ -865,17 +879,28 @@ class VectorizedContext:
                     loss = self.per_sample_loss(sequential_forward(self.net, params, _channels_last(x)), data_y[rows])
                     loss = loss.mean()
                 else:
-                    per, per_logged = objective.losses(params, _channels_last(x), data_y[rows], odata)
+                    per, per_logged, *values = objective.losses(params, _channels_last(x), data_y[rows], odata)
                     loss, logged = per.mean(), None if per_logged is per else per_logged.mean()
+                    if objective.collect is not None and s >= plan.host_last_epoch[k]:
+                        if seen is None:
+                            seen = empty_class_sums(objective.collect, self.device, values[0].dtype)
+                        class_sum_step(seen, values[0], data_y[rows])
                 loss = ClientContext._backward(loss, None if penalty is None else Penalty(
                     penalty.fn, pdata, penalty.gradient), params, leaves)  # fmt: skip
                 opt.step()
                 loss_sum = loss_sum + (loss if logged is None else logged).detach()
             losses.append(loss_sum / max(plan.host_steps[k], 1))
+            if seen is not None:
+                collected.append(seen)
             for n in trained:
                 trained[n].append((leaves if n in leaves else params)[n].detach())
         self.train_loss = torch.stack(losses)
         self.steps_taken = plan.steps
+        if objective is not None and objective.collect is not None:
+            empty = empty_class_sums(objective.collect, self.device)
+            seen_k = iter(collected)
+            rows = [next(seen_k) if plan.host_steps[k] else empty for k in range(self.num_clients)]
+            self.class_sums_seen = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
         out.update({n: torch.stack(v).contiguous() for n, v in trained.items()})
         return out
 
@@ -883,7 +908,7 @@ class VectorizedContext:
         """Each client in turn with ``ClientContext.sgd`` (the reference, on the same generators: the same
         batches), conv inputs in ``channels_last``; no reads from the device. The phase's functions, written against
         this context, see each client's side vector."""
-        results, losses, steps, kept = [], [], [], []
+        results, losses, steps, kept, seen = [], [], [], [], []
         penalty, objective, gradient = phase.penalty, phase.objective, phase.gradient
         for k, client in enumerate(self.clients):
             ctx = ClientContext(
@@ -905,7 +930,7 @@ class VectorizedContext:
             mine = None if penalty is None else Penalty(penalty.fn, unstack(penalty.data, k), penalty.gradient)
             own = None
             if objective is not None:
-                own = Objective(self._as_client(objective.fn, ctx), unstack(objective.data, k))
+                own = Objective(self._as_client(objective.fn, ctx), unstack(objective.data, k), objective.collect)
             self._side = ctx.side  # for functions called outside the phase's steps
             results.append(
                 ctx.sgd(
@@ -918,10 +943,13 @@ class VectorizedContext:
             losses.append(torch.as_tensor(ctx.train_loss, device=self.device))
             steps.append(ctx.steps_taken)
             kept.append(ctx.optimizer_state)
+            seen.append(ctx.class_sums_seen)
         self.train_loss = torch.stack(losses).to(self.device)
         self.steps_taken = torch.stack(steps).to(self.device)
         if self.optimizer_state is not None:
             self.optimizer_state = stack(kept)
+        if objective is not None and objective.collect is not None:
+            self.class_sums_seen = (torch.stack([t[0] for t in seen]), torch.stack([t[1] for t in seen]))
         return {n: v.contiguous() for n, v in stack(results).items()}
 
     def _as_client(self, fn: Callable, ctx: ClientContext) -> Callable:
