@@ -10,6 +10,9 @@ never uploaded and live in the client bank, so every client normalises its featu
 ``personal`` defaults to every BatchNorm layer of the network, found at set-up from the buffers a BN layer
 carries (``<layer>.running_mean``); a network without one is a ``ConfigError``.
 
+Both executors run it: the vectorized one keeps every client's BN statistics stacked ``[K, ...]`` and updates them
+from the client's own batches as torch does (``fl_lightning.client.FunctionalBatchNorm``).
+
 Privacy: the shared layers are trained through the client's BN affine parameters, so their upload depends on
 them (in training mode BN normalises with the batch statistics, so not on the running statistics).
 """

@@ -11,6 +11,9 @@ uploads Δθ_i = θ_i^t − θ^{t−1}. With m the number of clients and P the r
 
     h ← h − α·(1/m)·Σ_{i∈P} Δθ_i,        θ^t = (1/|P|)·Σ_{i∈P} θ_i^t − h/α = θ^{t−1} + mean_P Δθ_i − h/α.
 
+The linear and proximal terms are one ``Penalty`` with the client's g_i and θ^{t−1} as its per-client data and its
+gradient −g_i + α(θ − θ^{t−1}) in closed form (no autograd pass through it), so FedDyn runs on both executors.
+
 The server math is FedDyn's own (``server_update``): ``model.server_lr`` and server optimisers do not apply, and
 the plain mean over P needs ``model.aggregation: uniform`` (checked). |P| is the number of uploads the engine
 aggregated. Buffers (BatchNorm statistics) are averaged without h; frozen parameters are neither regularised nor

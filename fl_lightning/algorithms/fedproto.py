@@ -7,7 +7,10 @@ C_i^(j) = (1/|D_ij|) Σ_{(x,y) ∈ D_ij} φ_i(x). A sampled client
 1. trains its model for ``local_epochs`` epochs of local SGD on CE(F_i(x), y) + λ‖φ_i(x) − C̄^(y)‖²₂ (the local
    loss, §"Local Model Update" and Appendix B's per-sample form), where C̄^(y) is the global prototype of the
    sample's class; samples of a class without a global prototype yet get the CE term only;
-2. computes its prototypes with the trained body and uploads them with its per-class counts |D_ij|.
+2. computes its prototypes from the body representations of its last local epoch's training batches (Algorithm 1
+   computes them inside the training loop; the authors' ``update_weights_het`` collects every batch's features of
+   the last epoch, before that batch's step: no second pass over the data) and uploads them with the per-class
+   counts of those samples (|D_ij| when the epoch covers all of them).
 
 The server averages per class, weighted by the counts: C̄^(j) = Σ_i |D_ij| C_i^(j) / Σ_i |D_ij| (§"Global
 Prototype Aggregation"; Appendix B writes it as Σ_i q_i C_i with Σ_i q_i = 1, which we follow: the main text's

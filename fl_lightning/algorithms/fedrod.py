@@ -17,10 +17,13 @@ moves neither θ nor ψ):
 
 Per minibatch both losses are computed from the same forward pass and both parameter sets take one step of the
 run's client optimiser (momentum SGD unless ``model.client_optimizer`` says otherwise), for ``local_epochs``
-epochs. The client uploads θ and ψ (FedAvg aggregation). Choices the paper leaves open, made here: φ_i starts at
-zero (a client's first personal prediction is the generic one), and both steps happen at the same minibatch
-(simultaneously, from the pre-step parameters). The paper's hypernetwork variant of the personal head is not
-implemented.
+epochs: one ``ctx.sgd`` phase over θ, ψ and φ_i whose ``Objective`` is ℓ_BSM + ℓ_P (ℓ_P's inputs detached, so θ, ψ
+get ℓ_BSM's gradient and φ_i ℓ_P's; the optimisers' updates are per parameter, so one optimiser over both sets
+steps as two would). It runs on both executors; with ``model.keep_client_optimizer_state`` θ and ψ continue
+from their kept state, φ_i starts fresh each round. The client uploads θ and ψ (FedAvg aggregation). Choices the
+paper leaves open, made here: φ_i starts at zero (a client's first personal prediction is the generic one), and
+both steps happen at the same minibatch (simultaneously, from the pre-step parameters). The paper's hypernetwork
+variant of the personal head is not implemented.
 
 Since h_G and h_P are linear, h_G(z) + h_P(z) is the linear head with weight W_G + W_P and bias b_G + b_P: that is
 the model a client is evaluated with (``client_model``), so FedRoD needs a one-layer linear classifier ``head``.

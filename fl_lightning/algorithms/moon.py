@@ -16,6 +16,8 @@ body's output (no extra layers, so that MOON runs on every ``SplitModel``); a cl
 the initial global model as w_i^{prev} (its first round's ℓ_con is the constant log 2). τ = 0.5 and μ = 5 on
 CIFAR-10, 1 on CIFAR-100 (§4.1).
 
+The loss is an ``Objective`` with w^t and w_i^{prev} as its per-client data, so MOON runs on both executors.
+
 Privacy: the upload is trained with the negative pair computed by the client's previous local model, so it
 depends on that model (declared); the previous model itself (``prev.``) is never uploaded.
 """

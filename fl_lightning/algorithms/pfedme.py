@@ -15,6 +15,10 @@ It uploads w and keeps the last θ̃ as its personal model θ_i (client bank, ``
 with. The server mixes, w^{t+1} = (1 − β)w^t + β·mean_S w_i: that is the engine's server step with ``server_lr``
 = β (β = 1 in the configs, the paper's comparison setting).
 
+Both steps are one ``ctx.sgd`` phase of R steps (``max_steps``, a straggler's share per client) whose ``Gradient``
+solves the personal problem with ``torch.func`` and hands θ̃ on to the next step (the values a step sets), so
+pFedMe runs on both executors.
+
 Choices where the paper leaves one open: only the sampled clients train (Algorithm 1 lets all N clients train and
 aggregates S of them; the others' θ_i here keep the value of their last round); each round's first personal
 solve starts from θ = w^t and later ones warm-start from the previous θ̃ (the starting point of the inner

@@ -1,10 +1,16 @@
 """The vectorized client executor: all sampled clients of a round in one pass, with the sequential loop's math.
 
 ``VectorizedContext`` presents ``K`` clients to an algorithm as one context whose parameters are stacked
-``[K, ...]``. Algorithms written only with dict operations and ``ctx.sgd`` (``Algorithm.vectorizable = True``:
-FedAvg, FedPer, LG-FedAvg, Local Only, FedRep, FedProx, Ditto, SCAFFOLD, APFL, L2GD, Fed-MTL, Per-FedAvg) run
-unchanged on it; per-client constants of a loss term travel in a ``Penalty``'s data, custom step directions
-(Per-FedAvg's meta-gradient, APFL's two models) as a ``Gradient`` function that is ``vmap``-ed over clients.
+``[K, ...]``: it implements the client contract ``fl_lightning.client.Client``, as ``ClientContext`` does for one
+client. Algorithms written only against it and dict operations (``Algorithm.vectorizable = True``: FedAvg, FedPer,
+LG-FedAvg, Local Only, FedRep, FedBABU, FedProx, Ditto, SCAFFOLD, APFL, L2GD, Fed-MTL, Per-FedAvg, FedBN, MOON,
+FedProto, FedDyn, pFedMe, FedRoD) run unchanged on it. Per-client constants of a loss term travel in the data of a
+``Penalty`` (whose gradient may be given in closed form: no autograd pass through a proximal term) or of an
+``Objective`` (a per-sample minibatch loss written for one client: MOON's contrastive term, FedProto's prototype
+distance, FedRoD's two heads), custom step directions (Per-FedAvg's meta-gradient, APFL's two models, pFedMe's
+personal solve, which carries θ̃ from step to step) as a ``Gradient``; all of them are ``vmap``-ed over clients.
+BatchNorm layers keep each client's running statistics ``[K, ...]``: in a ``vmap``-ed step ``FunctionalBatchNorm``
+normalises with the batch statistics of the client's real rows and returns the statistics torch would have written.
 
 Its ``sgd`` reproduces ``ClientContext.sgd``: each client draws its epochs from its own generator exactly as the
 sequential loop does (``epoch_draws``), walks its own minibatches (padded and masked; step ``s`` of every client
@@ -16,18 +22,20 @@ No host syncs inside a phase: the draws of all its epochs are made on the CPU ge
 moved to the device in ONE copy (``PhasePlan``); which client steps when is known on the host; losses are summed
 on the device. How each step is computed:
 
-* a phase that trains only the head (no side branch) on a frozen body runs the body on the phase's batches in a
-  few large no-grad passes: once per client and round without augmentation, or per block of steps on the
-  augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole cohort when the clients
-  share the body (FedRep's head phase, "+FT") — then trains the heads on those features. ``sequential_forward``
-  runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in place (the same values);
+* a phase that trains only the head (no side branch, no BatchNorm, no custom objective) on a frozen body runs the
+  body on the phase's batches in a few large no-grad passes: once per client and round without augmentation, or per
+  block of steps on the augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole
+  cohort when the clients share the body (FedRep's head phase, "+FT") — then trains the heads on those features.
+  ``sequential_forward`` runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in
+  place (the same values);
 * networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
   matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
 * other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
   turns a convolution with per-client weights into one grouped convolution);
 * convolutional phases on the CPU client by client on the phase plan's batches (``CONV_CLIENTS``: plain autograd
   in ``channels_last`` beat both ``vmap`` and grouped convolutions there, ``make bench`` measures it), each client
-  with ``sequential_forward`` and torch's fused SGD, no context or batch generator per client;
+  with ``sequential_forward`` (or the phase's ``Objective``), its own BatchNorm buffers and torch's fused SGD, no
+  context or batch generator per client;
 * client by client with ``ClientContext`` (on the same generators, so the same numbers), logged once: recurrent
   networks (LSTM: no batching rule for per-client weights), client optimisers without a batched form,
   augmentations that cannot draw ahead, and CPU convolutional phases with a custom step direction, side
