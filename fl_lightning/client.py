@@ -10,7 +10,7 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -365,7 +365,18 @@ class FunctionalBatchNorm:
         self.mask, self._new = None, {}
 
     def begin(self, mask: Tensor | None) -> None:
+        """A client's step starts: ``mask`` marks its batch's real rows; no statistics updated yet."""
         self.mask, self._new = mask, {}
+
+    @contextmanager
+    def rows(self, mask: Tensor) -> Iterator[None]:
+        """Forward passes on another batch within the step (a ``Gradient``'s support and target batches): its real
+        rows ``mask`` (one value per row)."""
+        before, self.mask = self.mask, mask if mask.dim() == 1 else mask.reshape(mask.shape[0], -1)[:, 0]
+        try:
+            yield
+        finally:
+            self.mask = before
 
     def updates(self, params: Params) -> Params:
         out: Params = {}
@@ -450,6 +461,7 @@ class ClientContext:
         self.optimizer_state: Params | None = None
         #: (per-class sums, per-class counts) of an ``Objective.collect`` over the last phase's last epoch
         self.class_sums_seen: tuple[Tensor, Tensor] | None = None
+        self._batchnorm: FunctionalBatchNorm | None = None  # BatchNorm without in-place updates, in a ``Gradient``
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
         """Trainable parameter names under ``prefixes``."""
@@ -486,7 +498,10 @@ class ClientContext:
     def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         """The loss of one minibatch for a ``Gradient`` function; ``mask`` is ignored (a client's own batches
         are never padded; the vectorized executor's are)."""
-        return self.loss(params, x, y)
+        if self._batchnorm is None:
+            return self.loss(params, x, y)
+        with self._batchnorm.rows(torch.ones(x.shape[0], device=x.device)):
+            return self.loss(params, x, y)
 
     def batches(self, batch_size: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
         """One epoch of shuffled minibatches (augmented if the data have an on-device augmentation). The epoch's
@@ -616,7 +631,11 @@ class ClientContext:
         with batchnorm if batchnorm is not None else nullcontext():
             if batchnorm is not None:
                 batchnorm.begin(mask)
-            grads, loss, *rest = gradient(values, x, y, mask)
+            self._batchnorm = batchnorm
+            try:
+                grads, loss, *rest = gradient(values, x, y, mask)
+            finally:
+                self._batchnorm = None
             if batchnorm is not None:  # the statistics the direction's forward passes computed
                 out.update({n: v.detach() for n, v in batchnorm.updates(values).items()})
         if penalty is not None:

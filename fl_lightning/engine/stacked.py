@@ -45,8 +45,8 @@ on the device. How each step is computed:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -431,6 +431,7 @@ class VectorizedContext:
         self.class_sums_seen: tuple[Tensor, Tensor] | None = None
         self._data: tuple[Tensor, Tensor] | None = None
         self._side: Tensor | None = None  # the client's side vector inside a vmapped step (``batch_loss``)
+        self._batchnorm: FunctionalBatchNorm | None = None  # per-client BatchNorm statistics in a vmapped phase
 
     @property
     def num_clients(self) -> int:
@@ -468,7 +469,8 @@ class VectorizedContext:
         kwargs = {}
         if module is self.net and self._side is not None:
             kwargs["side"] = self._side.expand(x.shape[0], *self._side.shape)
-        out = functional_call(module, local, (x,), kwargs, strict=False)
+        with self._batchnorm.rows(mask) if self._batchnorm is not None else nullcontext():
+            out = functional_call(module, local, (x,), kwargs, strict=False)
         return (self.per_sample_loss(out, y) * mask).sum() / mask.sum().clamp(min=1)
 
     def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -672,7 +674,7 @@ class VectorizedContext:
         loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
         fewest = min(plan.host_steps)
         changed: set[str] = set()
-        with batchnorm if batchnorm is not None else nullcontext():
+        with self._functional_batchnorm(batchnorm):
             for s in range(plan.num_steps):
                 active, mask = active_all[s], mask_all[s]
                 everyone = s < fewest  # every client steps (known on the host): nothing to mask
@@ -712,6 +714,19 @@ class VectorizedContext:
         out.update({n: v.detach() for n, v in train.items()})
         out.update({n: frozen[n].detach() for n in changed})
         return out
+
+    @contextmanager
+    def _functional_batchnorm(self, batchnorm: FunctionalBatchNorm | None) -> Iterator[None]:
+        """A phase with per-client BatchNorm statistics (``batchnorm`` installed on the network), or without."""
+        if batchnorm is None:
+            yield
+            return
+        self._batchnorm = batchnorm
+        try:
+            with batchnorm:
+                yield
+        finally:
+            self._batchnorm = None
 
     def _collect(self, values: Tensor, y: Tensor, weight: Tensor) -> None:
         """Add a step's per-sample ``values`` ``[K, B, D]`` (rows weighted by ``weight``: the real rows of the
@@ -962,14 +977,14 @@ class VectorizedContext:
 
     def _as_client(self, fn: Callable, ctx: ClientContext) -> Callable:
         """A function written against this context (``self.batch_loss``, ``self.side_for``) run for one client's
-        context: this context's side vector is that client's while it runs."""
+        context: this context's side vector and BatchNorm handling are that client's while it runs."""
 
         def one(*args: object) -> object:
-            self._side = ctx.side
+            self._side, self._batchnorm = ctx.side, ctx._batchnorm  # BatchNorm as that context runs it
             try:
                 return fn(*args)
             finally:
-                self._side = None
+                self._side, self._batchnorm = None, None
 
         return one
 

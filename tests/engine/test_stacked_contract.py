@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 
+from fl_lightning.algorithms.apfl import APFL
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.algorithms.ditto import Ditto
 from fl_lightning.algorithms.fedbn import FedBN
@@ -21,6 +22,7 @@ from fl_lightning.algorithms.feddyn import FedDyn
 from fl_lightning.algorithms.fedproto import FedProto
 from fl_lightning.algorithms.fedrod import FedRoD
 from fl_lightning.algorithms.moon import MOON
+from fl_lightning.algorithms.perfedavg import PerFedAvg
 from fl_lightning.algorithms.pfedme import PFedMe
 from fl_lightning.client import Client, ClientContext, ClientOptimizer, FunctionalBatchNorm, loss_fn_for
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
@@ -143,6 +145,9 @@ CASES = {
     "fedrod": lambda: FedRoD(local_epochs=2),
     "fedbn": lambda: FedBN(local_epochs=2),
     "ditto": lambda: Ditto(lam=0.5, local_epochs=1, personal_epochs=2),
+    # a Gradient with forward passes on two batches per step (BatchNorm statistics of each, chained)
+    "perfedavg": lambda: PerFedAvg(inner_lr=0.02, support=3, target=2, local_epochs=2),
+    "apfl": lambda: APFL(alpha=0.3, local_epochs=2),
 }
 #: (network, loop_over_clients): the MLP steps with batched matrix products or vmap; convolutional phases vmap
 #: (accelerators) or run client by client (the CPU's default); FedBN needs BatchNorm layers.
