@@ -6,6 +6,7 @@ stacked path against torch's own ``BatchNorm2d`` in train mode."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections import OrderedDict
 
@@ -26,7 +27,7 @@ from fl_lightning.algorithms.perfedavg import PerFedAvg
 from fl_lightning.algorithms.pfedme import PFedMe
 from fl_lightning.client import Client, ClientContext, ClientOptimizer, FunctionalBatchNorm, loss_fn_for
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
-from fl_lightning.models.split import SplitModel
+from fl_lightning.models.split import Concat, SplitModel
 from tests.helpers import assert_close_finite
 
 CLASSES = 4
@@ -277,3 +278,39 @@ def test_functional_batchnorm_in_eval_mode_normalises_with_the_running_statistic
     ref = (x - params["running_mean"].view(shape)) / (params["running_var"].view(shape) + bn.eps).sqrt()
     assert_close_finite(out, ref * params["weight"].view(shape) + params["bias"].view(shape), rtol=TOL, atol=TOL)
     assert bn.forward.__func__ is nn.BatchNorm2d.forward  # the module's own forward is back
+
+
+# ---- side information inside an objective ---------------------------------------------------------------------
+def side_net() -> SplitModel:
+    """A body, a side branch concatenating W(z) to the features, a linear head."""
+    return SplitModel(nn.Sequential(nn.Flatten(), nn.Linear(16, 5), nn.Tanh()), nn.Linear(7, CLASSES),
+                      Concat(nn.Linear(3, 2)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["moon", "fedrod"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rmsprop"])  # RMSprop has no batched form: client by client
+def test_an_objective_sees_each_clients_side_information(name: str, optimizer: str) -> None:
+    """``ctx.side_for`` inside an ``Objective`` is the client's own side vector on both paths (``vmap``, and
+    client by client); the clients' side vectors differ, so a mix-up shows in the uploads."""
+    torch.manual_seed(2)
+    net = side_net().train()
+    algorithm = CASES[name]()
+    algorithm.check_compatible(net, CLASSES)
+    glob = {n: t.detach().clone() for n, t in net.named_parameters()}
+    algorithm.setup(glob, 10)
+    states = perturbed_states(algorithm, glob)
+    opt = settings() if optimizer == "sgd" else ClientOptimizer.from_config(
+        functools.partial(torch.optim.RMSprop, lr=0.01), batch_size=4)  # fmt: skip
+    xs, ys = client_data()
+    sides = [torch.randn(3, generator=gen(20 + k)) for k in range(len(SIZES))]
+    ref = []
+    for k in range(len(SIZES)):
+        ctx = ClientContext(net, k, xs[k], ys[k], sides[k], opt, loss_fn_for(CLASSES), generators(1)[k])
+        ref.append(algorithm.client_update(ctx, dict(glob), dict(states[k])))
+    vctx = VectorizedContext(net, list(range(3)), xs, ys, sides, opt, per_sample_loss_for(CLASSES), generators(1),
+                             None, 0, 1, [1.0] * 3)  # fmt: skip
+    out = algorithm.client_update(vctx, {n: v.expand(3, *v.shape) for n, v in glob.items()}, stack(states))
+    for k, upd in enumerate(ref):
+        for n, v in upd.upload.items():
+            assert_close_finite(out.upload[n][k], v, rtol=TOL, atol=TOL, msg=f"upload {n} of client {k}")
+        assert_close_finite(out.loss[k], upd.loss, rtol=TOL, atol=TOL)
