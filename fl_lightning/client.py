@@ -10,7 +10,9 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -34,9 +36,52 @@ class Penalty:
 
     fn: Callable[[Params, Params], Tensor]
     data: Params = field(default_factory=dict)
+    #: ``(params, data) -> {name: ∂fn/∂name}``, when the term's gradient is known in closed form (a proximal term's
+    #: λ(w − w^t)): ``sgd`` then adds it to the minibatch gradient and evaluates ``fn`` only for the reported loss,
+    #: without an autograd pass through the term. Names it leaves out get no gradient from the term.
+    gradient: Callable[[Params, Params], Params] | None = None
 
     def __call__(self, params: Params) -> Tensor:
         return self.fn(params, self.data)
+
+
+@dataclass
+class Objective:
+    """A minibatch loss that replaces the network's loss in a training phase: ``fn(params, x, y, data)`` returns
+    ONE client's per-sample losses ``[B]`` (or a pair ``(losses, logged)``: ``train_loss`` then averages ``logged``
+    instead, e.g. FedRoD reports its personal head's loss). The context takes their mean over the batch's real
+    samples (the vectorized executor pads batches).
+
+    Written once for one client with ``torch.func``-compatible operations and the context's own ``forward`` /
+    ``per_sample_loss`` / ``side_for``, it runs inside ``vmap`` over the stacked clients. ``data`` holds the client's
+    constants (MOON's global and previous models, FedRoD's class prior): one client's tensors in a ``ClientContext``,
+    stacked ``[K, ...]`` in the vectorized executor, which hands each client its own slice (as ``Penalty.data``).
+    """
+
+    fn: Callable[[Params, Tensor, Tensor, Params], Tensor | tuple[Tensor, ...]]
+    data: Params = field(default_factory=dict)
+    #: ``(classes, width)``: ``fn`` returns a third element, per-sample values ``[B, width]`` (FedProto's features
+    #: φ(x), computed by the training pass anyway), whose sums per class of ``y`` over the phase's last epoch (the
+    #: batches of the last epoch that took a step) ``sgd`` leaves in ``ctx.class_sums_seen`` with their counts.
+    collect: tuple[int, int] | None = None
+
+    def losses(self, params: Params, x: Tensor, y: Tensor, data: Params | None = None) -> tuple[Tensor, ...]:
+        """(per-sample losses, per-sample logged values[, per-sample values to collect]) of one client's batch;
+        the logged values are the losses themselves (the same object) when ``fn`` reports nothing else."""
+        out = self.fn(params, x, y, self.data if data is None else data)
+        if not isinstance(out, tuple):
+            return out, out
+        return (out[0], out[0], *out[2:]) if out[1] is None else out
+
+
+def class_sum_step(sums: tuple[Tensor, Tensor], values: Tensor, y: Tensor, weight: Tensor | None = None) -> None:
+    """Add ``values`` ``[B, D]`` (rows weighted by ``weight``, e.g. a padding mask) to ``sums`` = (per-class sums
+    ``[C, D]``, per-class counts ``[C]``) by the rows' classes ``y``."""
+    total, counts = sums
+    values = values.detach().to(total.dtype)
+    w = torch.ones(y.shape[0], dtype=total.dtype, device=total.device) if weight is None else weight.to(total.dtype)
+    total.index_add_(0, y, values * w[:, None])
+    counts.index_add_(0, y, w)
 
 
 #: A penalty as ``sgd`` accepts it: a ``Penalty``, or a plain ``params -> Tensor`` function (one client only: the
@@ -44,11 +89,12 @@ class Penalty:
 PenaltyLike = Penalty | Callable[[Params], Tensor]
 #: A custom step direction for ``sgd``: ``(params, x, y, mask) -> (gradients of the trained names, the step's loss)``
 #: for ONE client, written with ``torch.func`` and ``ctx.batch_loss`` so that the vectorized executor can ``vmap``
-#: it (Per-FedAvg's meta-gradient, APFL's two models). ``mask`` marks the real rows of a padded batch.
-Gradient = Callable[[Params, Tensor, Tensor, Tensor], tuple[Params, Tensor]]
-#: A minibatch loss ``(params, x, y) -> loss`` that replaces ``ClientContext.loss`` in a training phase (MOON's
-#: contrastive term and FedProto's prototype distance need the batch, not only the parameters).
-BatchLoss = Callable[[Params, Tensor, Tensor], Tensor]
+#: it (Per-FedAvg's meta-gradient, APFL's two models). ``mask`` marks the real rows of a padded batch. It may return
+#: a third element, ``{name: value}`` for untrained names of ``params`` that the step sets (pFedMe's personal model
+#: θ̃, carried from one step to the next).
+Gradient = Callable[[Params, Tensor, Tensor, Tensor], tuple[Params, Tensor] | tuple[Params, Tensor, Params]]
+#: ``sgd``'s step cap: a number, or ``(num_samples, step_budget) -> steps`` giving each client its own.
+MaxSteps = int | Callable[[int, float], int] | None
 #: A ``torch.optim`` class with its init args, as a config gives it (``{class_path: torch.optim.Adam, init_args:
 #: {lr: 0.001}}``): a function ``params -> Optimizer``. The same type as ``lightning.pytorch.cli.OptimizerCallable``
 #: (spelled out here so that importing the engine does not import jsonargparse).
@@ -285,8 +331,101 @@ def to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+class FunctionalBatchNorm:
+    """BatchNorm without in-place updates, for one client inside ``torch.func`` transforms (a ``Gradient``'s own
+    ``torch.func.grad``; ``vmap`` over padded batches): in train mode the batch statistics are those of the real rows
+    (``mask``), and the running statistics are returned instead of updated in place, exactly as
+    ``torch.nn.functional.batch_norm`` updates them: ``r ← (1 − m)·r + m·batch`` with the unbiased variance
+    (``n/(n − 1)``) for ``running_var``, m the momentum (``1/num_batches_tracked`` when None), and
+    ``num_batches_tracked + 1``.
+
+    Installed (``with``) on every BatchNorm module of ``net`` for a phase; ``begin(mask)`` before a client's forward
+    passes, ``updates(params)`` after them: the new buffers of the BatchNorm layers that ran with the buffers of
+    ``params`` (a forward with other parameters, such as MOON's global model, updates nothing). Several forward passes
+    of one step chain their updates, as in-place updates do."""
+
+    def __init__(self, net: nn.Module) -> None:
+        #: the BatchNorm modules by the prefix of their buffers' names (``""`` for ``net`` itself)
+        self.layers = {
+            f"{name}." if name else "": m
+            for name, m in net.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
+        self.mask: Tensor | None = None
+        self._new: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}
+
+    def __enter__(self) -> FunctionalBatchNorm:
+        for m in self.layers.values():
+            m.forward = lambda x, m=m: self.forward(m, x)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self.layers.values():
+            del m.forward
+        self.mask, self._new = None, {}
+
+    def begin(self, mask: Tensor | None) -> None:
+        """A client's step starts: ``mask`` marks its batch's real rows; no statistics updated yet."""
+        self.mask, self._new = mask, {}
+
+    @contextmanager
+    def rows(self, mask: Tensor) -> Iterator[None]:
+        """Forward passes on another batch within the step (a ``Gradient``'s support and target batches): its real
+        rows ``mask`` (one value per row)."""
+        before, self.mask = self.mask, mask if mask.dim() == 1 else mask.reshape(mask.shape[0], -1)[:, 0]
+        try:
+            yield
+        finally:
+            self.mask = before
+
+    def updates(self, params: Params) -> Params:
+        out: Params = {}
+        for prefix in self.layers:
+            mean = params.get(f"{prefix}running_mean")
+            if mean is None or id(mean) not in self._new:
+                continue
+            out[f"{prefix}running_mean"], out[f"{prefix}running_var"], count = map(_alive, self._new[id(mean)])
+            if count is not None and f"{prefix}num_batches_tracked" in params:
+                out[f"{prefix}num_batches_tracked"] = count
+        return out
+
+    def forward(self, m: nn.modules.batchnorm._BatchNorm, x: Tensor) -> Tensor:
+        m._check_input_dim(x)
+        mean_0, var_0 = m.running_mean, m.running_var
+        if self.mask is None or not (m.training or mean_0 is None):  # eval mode: the running statistics
+            return type(m).forward(m, x)
+        mean_0, var_0, count_0 = map(_alive, self._new.get(id(mean_0), (mean_0, var_0, m.num_batches_tracked)))
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        rows = self.mask.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+        n = self.mask.to(x.dtype).sum() * (x[0, 0].numel())
+        mean = (x * rows).sum(dims) / n.clamp(min=1)
+        centered = x - mean.view(shape)
+        var = (centered * centered * rows).sum(dims) / n.clamp(min=1)
+        out = centered * torch.rsqrt(var + m.eps).view(shape)
+        if m.weight is not None:
+            out = out * m.weight.view(shape) + m.bias.view(shape)
+        if m.training and m.track_running_stats and mean_0 is not None:
+            count = None if count_0 is None else count_0 + 1
+            factor = m.momentum if m.momentum is not None else 1.0 / count.to(x.dtype)
+            unbiased = var.detach() * n / (n - 1).clamp(min=1)
+            self._new[id(m.running_mean)] = (
+                (1 - factor) * mean_0 + factor * mean.detach(),
+                (1 - factor) * var_0 + factor * unbiased,
+                count,
+            )
+        return out
+
+
+def _alive(t: Tensor | None) -> Tensor | None:
+    """A statistic computed inside an autograd transform that has since returned (the step's ``grad_and_value``, or
+    a ``Gradient``'s own ``torch.func.grad``), unwrapped to the level it is used at (it carries no gradient)."""
+    return None if t is None else torch._C._functorch.unwrap_if_dead(t)
+
+
 class ClientContext:
-    """A client's data, RNG and local optimiser for one round, plus the training phase primitive ``sgd``.
+    """A client's data, RNG and local optimiser for one round, plus the training phase primitive ``sgd``: the
+    sequential reference implementation of the client contract (``Client``).
 
     ``generator`` is seeded from ``(seed, round, client)``, so a client's local update does not depend
     on which process runs it or on what ran before it. Nothing here reads a device tensor back to the host:
@@ -320,6 +459,9 @@ class ClientContext:
         self.steps_taken: Tensor = torch.zeros((), dtype=torch.long)
         #: the client's kept optimiser state (``state_template`` names), or None: a fresh optimiser per phase
         self.optimizer_state: Params | None = None
+        #: (per-class sums, per-class counts) of an ``Objective.collect`` over the last phase's last epoch
+        self.class_sums_seen: tuple[Tensor, Tensor] | None = None
+        self._batchnorm: FunctionalBatchNorm | None = None  # BatchNorm without in-place updates, in a ``Gradient``
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
         """Trainable parameter names under ``prefixes``."""
@@ -343,10 +485,23 @@ class ClientContext:
     def loss(self, params: Params, x: Tensor, y: Tensor) -> Tensor:
         return self.loss_fn(self.forward(params, x), y)
 
+    def per_sample_loss(self, out: Tensor, y: Tensor) -> Tensor:
+        """The loss of each sample ``[B]`` (their mean is ``loss_fn(out, y)``)."""
+        if self.loss_fn is F.cross_entropy:
+            return F.cross_entropy(out, y, reduction="none")
+        return torch.vmap(lambda o, t: self.loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y)
+
+    def label_counts(self, num_classes: int) -> Tensor:
+        """How many training samples the client has of each class ``[num_classes]``."""
+        return torch.bincount(self.y, minlength=num_classes)
+
     def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         """The loss of one minibatch for a ``Gradient`` function; ``mask`` is ignored (a client's own batches
         are never padded; the vectorized executor's are)."""
-        return self.loss(params, x, y)
+        if self._batchnorm is None:
+            return self.loss(params, x, y)
+        with self._batchnorm.rows(torch.ones(x.shape[0], device=x.device)):
+            return self.loss(params, x, y)
 
     def batches(self, batch_size: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
         """One epoch of shuffled minibatches (augmented if the data have an on-device augmentation). The epoch's
@@ -373,12 +528,12 @@ class ClientContext:
         epochs: int,
         penalty: PenaltyLike | None = None,
         lr: float | None = None,
-        max_steps: int | None = None,
+        max_steps: MaxSteps = None,
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
         min_batch: int = 1,
-        objective: BatchLoss | None = None,
+        objective: Objective | None = None,
     ) -> Params:
         """Train ``trainable`` for ``epochs`` epochs of minibatches with the client optimiser (momentum SGD unless
         ``model.client_optimizer`` says otherwise); everything else stays frozen.
@@ -386,15 +541,19 @@ class ClientContext:
         A fresh optimiser per phase, so no momentum or weight decay leaks into frozen parameters
         (spec 000 §8.3); with ``optimizer_state`` (kept per client across rounds) each trained parameter
         continues from its own kept state instead. ``penalty(params)`` is added to every minibatch loss
-        (FedProx, Ditto, …); ``objective(params, x, y)`` replaces the minibatch loss (MOON, FedProto); ``lr``
-        overrides the round's learning rate. ``gradient`` replaces the minibatch loss's gradient by another step
-        direction (Per-FedAvg, APFL); batches of ``batch_size`` (default: the client optimiser's) with fewer than
-        ``min_batch`` samples are skipped. Returns a new dict; ``params`` is
-        not modified. ``train_loss`` and ``steps_taken`` describe the phase.
+        (FedProx, Ditto, …; with ``Penalty.gradient`` as a gradient term); ``objective`` replaces the minibatch
+        loss (MOON, FedProto, FedRoD); ``lr`` overrides the round's learning rate. ``gradient`` replaces the
+        minibatch loss's gradient by another step direction (Per-FedAvg, APFL, pFedMe); batches of ``batch_size``
+        (default: the client optimiser's) with fewer than ``min_batch`` samples are skipped; ``max_steps`` caps the
+        steps (a function of the client's size and straggler budget gives each client its own cap). Returns a new
+        dict (buffers such as BatchNorm statistics updated as the forward passes update them); ``params`` is not
+        modified. ``train_loss`` and ``steps_taken`` describe the phase.
         """
         out = {n: t.detach().clone() for n, t in params.items()}
         if self.channels_last:
             out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
+        collect = None if objective is None else objective.collect
+        self.class_sums_seen = None if collect is None else empty_class_sums(collect, self.x.device)
         if not trainable or epochs <= 0:
             return out
         if penalty is not None and not isinstance(penalty, Penalty):
@@ -405,20 +564,27 @@ class ClientContext:
         if kept:
             load_state(opt, kept, self.optimizer_state)
         bs = batch_size or self.optimizer.batch_size
+        if callable(max_steps):
+            max_steps = max_steps(self.num_samples, self.step_budget)
         limit = step_limit(self.step_budget, epochs, self.num_samples, bs, max_steps, min_batch)
         steps, loss_sum = 0, torch.zeros((), device=self.x.device)
+        seen = self.class_sums_seen
         for _ in range(epochs):
             if limit is not None and steps >= limit:
                 break
+            first = True
             for x, y in self.batches(bs):
                 if x.shape[0] < min_batch:
                     continue
                 opt.zero_grad(set_to_none=True)
                 if gradient is None:
-                    loss = self.loss(out, x, y) if objective is None else objective(out, x, y)
-                    if penalty is not None:
-                        loss = loss + penalty(out)
-                    loss.backward()
+                    loss, logged, *values = self._loss_and_logged(objective, out, x, y)
+                    loss = self._backward(loss, penalty, out, leaves)
+                    loss = loss if logged is None else logged
+                    if seen is not None:  # the last epoch's values: start again at each epoch's first step
+                        seen = empty_class_sums(collect, self.x.device, values[0].dtype) if first else seen
+                        class_sum_step(seen, values[0], y)
+                    first = False
                 else:
                     loss = self._set_gradient(gradient, penalty, out, leaves, x, y)
                 opt.step()
@@ -428,21 +594,57 @@ class ClientContext:
                     break
         self.train_loss = loss_sum / max(steps, 1)
         self.steps_taken = torch.tensor(steps)
+        self.class_sums_seen = seen
         if kept:
             self.optimizer_state = save_state(opt, kept, self.optimizer_state, steps)
         return {n: t.detach() for n, t in out.items()}
 
+    def _loss_and_logged(self, objective: Objective | None, out: Params, x: Tensor, y: Tensor) -> tuple:
+        """The minibatch loss (the network's, or the objective's mean), the objective's logged value (None: the
+        loss), and the per-sample values it collects, if any."""
+        if objective is None:
+            return self.loss(out, x, y), None
+        per, logged, *values = objective.losses(out, x, y)
+        return per.mean(), None if logged is per else logged.mean(), *values
+
+    @staticmethod
+    def _backward(loss: Tensor, penalty: Penalty | None, out: Params, leaves: Params) -> Tensor:
+        """``leaf.grad`` of loss + penalty (the penalty's closed-form gradient added when it has one); returns the
+        step's loss value."""
+        if penalty is None or penalty.gradient is None:
+            loss = loss if penalty is None else loss + penalty(out)
+            loss.backward()
+            return loss
+        loss.backward()
+        with torch.no_grad():
+            add_gradient(leaves, penalty.gradient(out, penalty.data))
+            return loss.detach() + penalty(out)
+
     def _set_gradient(
         self, gradient: Gradient, penalty: Penalty | None, out: Params, leaves: Params, x: Tensor, y: Tensor
     ) -> Tensor:
-        """``leaf.grad`` from a custom step direction (plus the penalty's gradient); returns the step's loss."""
+        """``leaf.grad`` from a custom step direction (plus the penalty's gradient); untrained names the direction
+        sets take their new values; returns the step's loss."""
         values = {n: t.detach() for n, t in out.items()}
-        grads, loss = gradient(values, x, y, torch.ones(x.shape[0], device=x.device))
+        mask = torch.ones(x.shape[0], device=x.device)
+        batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) else None
+        with batchnorm if batchnorm is not None else nullcontext():
+            if batchnorm is not None:
+                batchnorm.begin(mask)
+            self._batchnorm = batchnorm
+            try:
+                grads, loss, *rest = gradient(values, x, y, mask)
+            finally:
+                self._batchnorm = None
+            if batchnorm is not None:  # the statistics the direction's forward passes computed
+                out.update({n: v.detach() for n, v in batchnorm.updates(values).items()})
         if penalty is not None:
-            extra = torch.func.grad(lambda p: penalty({**values, **p}))({n: values[n] for n in leaves})
-            grads = {n: grads[n] + extra[n] for n in leaves}
+            extra = penalty_gradient(penalty, values, list(leaves))
+            grads = {n: grads[n] + extra[n] if n in extra else grads[n] for n in leaves}
         for n, leaf in leaves.items():
             leaf.grad = grads[n].detach()
+        for n, v in (rest[0] if rest else {}).items():
+            out[n] = v.detach()
         return loss
 
     @torch.no_grad()
@@ -453,7 +655,121 @@ class ClientContext:
         return self.loss(params, self.x, self.y).detach()
 
 
+def empty_class_sums(
+    collect: tuple[int, int], device: torch.device, dtype: torch.dtype | None = None, clients: tuple[int, ...] = ()
+) -> tuple[Tensor, Tensor]:
+    """Zero (per-class sums ``[*clients, classes, width]``, per-class counts ``[*clients, classes]``)."""
+    classes, width = collect
+    return (
+        torch.zeros(*clients, classes, width, device=device, dtype=dtype),
+        torch.zeros(*clients, classes, device=device, dtype=dtype),
+    )
+
+
+def has_batchnorm(net: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
+
+
+def add_gradient(leaves: Params, grads: Params) -> None:
+    """``leaf.grad += grads[name]`` for the leaves ``grads`` names (a leaf without a gradient yet gets it)."""
+    for n, g in grads.items():
+        if n not in leaves:
+            continue
+        leaf = leaves[n]
+        leaf.grad = g.detach().clone() if leaf.grad is None else leaf.grad + g.detach()
+
+
+def penalty_gradient(penalty: Penalty, values: Params, names: Sequence[str], data: Params | None = None) -> Params:
+    """The penalty's gradient for ``names`` at ``values``: its closed form, or ``torch.func.grad`` of ``fn``."""
+    data = penalty.data if data is None else data
+    if penalty.gradient is not None:
+        return {n: g for n, g in penalty.gradient(values, data).items() if n in names}
+    return torch.func.grad(lambda p: penalty.fn({**values, **p}, data))({n: values[n] for n in names})
+
+
 def kept_name(name: str, ctx: ClientContext) -> bool:
     """Whether the kept optimiser state has an entry for ``name`` (trained names outside the model, like APFL's
     local model, start fresh every phase)."""
     return state_name(STEPS, name) in ctx.optimizer_state
+
+
+class Client(Protocol):
+    """The client contract: everything ``ctx`` offers an ``Algorithm.client_update`` (and ``finetune``,
+    ``adapt_for_evaluation``). An algorithm written only against it (plus dict operations on its tensors) runs on
+    both executors: ``ClientContext`` (one client, the sequential reference) and
+    ``fl_lightning.engine.stacked.VectorizedContext`` (K clients at once: every tensor it hands out or takes back
+    is stacked ``[K, ...]``, per-client numbers are lists or ``[K]`` tensors) — declare ``vectorizable = True``.
+
+    Functions an algorithm passes into ``sgd`` (``Objective.fn``, ``Gradient``, ``Penalty.fn``) see ONE client
+    (inside ``vmap`` on the stacked path): there ``forward``, ``loss``, ``per_sample_loss``, ``batch_loss`` and
+    ``side_for`` are one client's. Per-client constants travel in the ``data`` of a ``Penalty`` or ``Objective``.
+    ``ClientContext`` has more (``x``, ``y``, ``generator``, ``batches``, ``client``): an algorithm that reads
+    them is sequential only (``vectorizable = False``) and says why.
+    """
+
+    #: the one shared network skeleton; parameters always come from a ``name -> tensor`` dict
+    net: nn.Module
+    #: the names of the trainable parameters (``requires_grad``), in the network's order
+    param_names: list[str]
+    #: the round's client optimiser settings (``lr``, ``batch_size``, ``build``)
+    optimizer: ClientOptimizer
+    #: the client's kept optimiser state (``state_template`` names) or None; ``sgd`` reads and updates it
+    optimizer_state: Params | None
+    #: the communication round and the run's seed
+    round: int
+    seed: int
+    #: the straggler budget: the share (≤ 1) of its local steps the client may take (one per client stacked)
+    step_budget: float | list[float]
+    #: the mean minibatch loss of the last ``sgd`` phase (per client on the stacked path)
+    train_loss: Tensor | float
+    #: the minibatch steps of the last ``sgd`` phase (per client on the stacked path)
+    steps_taken: Tensor
+    #: (per-class sums, counts) of the last phase's ``Objective.collect`` values over its last epoch, or None
+    class_sums_seen: tuple[Tensor, Tensor] | None
+
+    @property
+    def num_samples(self) -> int | list[int]:
+        """The client's number of training samples (one per client on the stacked path)."""
+
+    def params_with(self, prefixes: Sequence[str]) -> list[str]:
+        """Trainable parameter names under ``prefixes``."""
+
+    def params_without(self, prefixes: Sequence[str]) -> list[str]:
+        """Trainable parameter names not under ``prefixes``."""
+
+    def side_for(self, n: int) -> Tensor | None:
+        """One client's side information for a batch of ``n`` samples (None without a side branch)."""
+
+    def forward(self, params: Params, x: Tensor) -> Tensor:
+        """One client's network outputs for ``x`` with ``params`` (its side information included)."""
+
+    def loss(self, params: Params, x: Tensor, y: Tensor) -> Tensor:
+        """One client's mean loss of the network with ``params`` on ``(x, y)``."""
+
+    def per_sample_loss(self, out: Tensor, y: Tensor) -> Tensor:
+        """The task loss of each sample ``[B]`` for outputs ``out`` (cross-entropy, or ½·MSE per sample)."""
+
+    def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
+        """One client's mean loss over the real rows (``mask``) of a possibly padded batch, for a ``Gradient``."""
+
+    def label_counts(self, num_classes: int) -> Tensor:
+        """The client's training samples per class: ``[C]`` (``[K, C]`` stacked)."""
+
+    def mean_loss(self, params: Params) -> Tensor:
+        """The loss of ``params`` on all of the client's training data (``[K]`` stacked)."""
+
+    def sgd(
+        self,
+        params: Params,
+        trainable: Sequence[str],
+        epochs: int,
+        penalty: PenaltyLike | None = None,
+        lr: float | None = None,
+        max_steps: MaxSteps = None,
+        *,
+        gradient: Gradient | None = None,
+        batch_size: int | None = None,
+        min_batch: int = 1,
+        objective: Objective | None = None,
+    ) -> Params:
+        """A training phase of the client optimiser over ``trainable`` (see ``ClientContext.sgd``)."""

@@ -16,6 +16,7 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
+    Objective,
     Penalty,
     draws_ahead,
     epoch_draws,
@@ -370,18 +371,23 @@ def test_sgd_straggler_budget_counts_only_batches_of_min_batch() -> None:
 
 
 def test_sgd_plain_function_penalty_and_objective() -> None:
-    """A plain ``params -> Tensor`` penalty is added to every minibatch loss; ``objective`` replaces the loss."""
+    """A plain ``params -> Tensor`` penalty is added to every minibatch loss; ``objective`` replaces the loss (the
+    mean of its per-sample losses, its per-client data passed to it)."""
     net, (x, y) = _net(), _data(10)
     mu = 0.7
+    data = {"scale": torch.tensor(0.1, dtype=torch.float64)}
+
+    def per_sample(q: dict[str, Tensor], xb: Tensor, yb: Tensor, d: dict[str, Tensor]) -> Tensor:
+        return ((xb @ q["weight"].T + q["bias"] - yb).abs() ** 3).mean(1) + d["scale"] * xb.sum(1) * q["bias"].sum()
 
     def objective(q: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
-        return ((xb @ q["weight"].T + q["bias"] - yb).abs() ** 3).mean() + 0.1 * xb.sum() * q["bias"].sum()
+        return ((xb @ q["weight"].T + q["bias"] - yb).abs() ** 3).mean() + 0.1 * xb.sum() / len(xb) * q["bias"].sum()
 
     def penalty(q: dict[str, Tensor]) -> Tensor:
         return 0.5 * mu * (q["weight"] ** 2).sum()
 
     ctx = _ctx(net, x, y, ClientOptimizer(lr=0.05, momentum=0.5, batch_size=4))
-    out = ctx.sgd(_params(net), ["weight", "bias"], 1, penalty=penalty, objective=objective)
+    out = ctx.sgd(_params(net), ["weight", "bias"], 1, penalty=penalty, objective=Objective(per_sample, data))
     ref = _reference(
         _params(net),
         x,

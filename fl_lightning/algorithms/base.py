@@ -1,7 +1,11 @@
 """The algorithm interface: only the math of a method (personal parameters, local update, server update).
 
 The engine (``fl_lightning.engine.module.FederatedModule``) owns sampling, aggregation, the server optimiser,
-client-state storage, logging and distribution. An algorithm says:
+client-state storage, logging and distribution. What a client can do, the ``ctx`` its hooks receive, is the client
+contract ``fl_lightning.client.Client``: forward passes with given parameters, losses, ``sgd`` (with a ``Penalty``,
+a ``Gradient`` step direction or an ``Objective``), per-client counts and sums, the kept optimiser state. Written
+against it alone, a method runs on both executors (one client at a time, or K clients stacked ``[K, ...]``):
+declare ``vectorizable = True``. An algorithm says:
 
 * ``personal``: name prefixes of parameters that never leave a client (kept in the client bank);
 * ``state_prefixes``: name prefixes of other per-client state in the bank (Ditto's ``v.``); with ``personal`` they
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -67,8 +71,9 @@ class Algorithm(nn.Module):
     #: How many client uploads entered this round's average (all ranks; stragglers included, clients that
     #: failed or sent non-finite values not). Set by the engine before ``server_update``.
     num_aggregated: int = 0
-    #: True when ``client_update`` uses only dict operations and ``ctx.sgd``, so the vectorized executor can
-    #: run it on stacked parameters. Each class must declare it itself (it is not inherited).
+    #: True when ``client_update`` uses only dict operations and the client contract (``fl_lightning.client.Client``),
+    #: so the vectorized executor can run it on stacked parameters. Each class must declare it itself (it is not
+    #: inherited).
     vectorizable: bool = False
     #: True to keep each client's optimiser state (momentum, Adam moments) across rounds in the client-state
     #: bank, as ``model.keep_client_optimizer_state: true`` does; False: a fresh optimiser per phase.
@@ -130,7 +135,7 @@ class Algorithm(nn.Module):
         """Parameters a client uses: global shared parts overlaid with its own personal parts."""
         return {**global_params, **{n: v for n, v in state.items() if n in global_params}}
 
-    def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:
+    def adapt_for_evaluation(self, ctx: Client, params: Params) -> Params:
         """Optional local adaptation on the client's training data before it is evaluated (Per-FedAvg)."""
         return params
 
@@ -138,11 +143,11 @@ class Algorithm(nn.Module):
         """The outputs a client is scored on (logits, or predictions for regression): the network's forward."""
         return functional_call(net, params, (x,), {"side": side}, strict=False)
 
-    def finetune(self, ctx: ClientContext, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
+    def finetune(self, ctx: Client, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
         """ "+FT" and held-out new clients: ``epochs`` epochs of local SGD on the parameters under ``prefixes``."""
         return ctx.sgd(params, ctx.params_with(prefixes), epochs)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError
 
     def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
@@ -152,7 +157,7 @@ class Algorithm(nn.Module):
         """Every name of ``params`` except the frozen parameters (what a full-model upload carries)."""
         return [n for n in params if n not in self.frozen]
 
-    def upload_shared(self, params: Params, ctx: ClientContext, state: Params, loss: float = 0.0) -> ClientUpdate:
+    def upload_shared(self, params: Params, ctx: Client, state: Params, loss: float = 0.0) -> ClientUpdate:
         """Common ending: upload the shared parameters, keep the personal ones as the new state."""
         return ClientUpdate(
             upload={n: params[n] for n in self.shared_names(params)},

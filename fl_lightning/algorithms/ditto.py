@@ -43,6 +43,10 @@ class Ditto(Algorithm):
         """λ/2‖v − w^t‖² over the trained parameters."""
         return 0.5 * self.lam * sum(((params[n] - anchor[n]) ** 2).sum() for n in anchor)
 
+    def proximal_gradient(self, params: Params, anchor: Params) -> Params:
+        """Its gradient λ(v − w^t), added to the minibatch gradient without an autograd pass through the term."""
+        return {n: self.lam * (params[n] - anchor[n]) for n in anchor}
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         w = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs)
         w = {n: w[n] for n in self.trained_names(w)}
@@ -52,7 +56,7 @@ class Ditto(Algorithm):
             self.client_model(global_params, state),
             ctx.param_names,
             self.personal_epochs,
-            penalty=Penalty(self.proximal, anchor),
+            penalty=Penalty(self.proximal, anchor, self.proximal_gradient),
         )
         return ClientUpdate(
             upload=w,

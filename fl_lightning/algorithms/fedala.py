@@ -27,6 +27,13 @@ ALA would give it now with its current W_i (θ̂_i from the current Θ; W_i is l
 
 Privacy: θ̂_i is built from θ_i and W_i, so every upload depends on them; both stay in the bank (``local.``,
 ``ala_w.``, ``ala_runs``).
+
+Executors: FedALA runs client by client (not ``vectorizable``). Its local training is one ``ctx.sgd`` phase, but
+learning W_i is outside the client contract in three ways: W_i takes plain projected gradient steps
+(``clip(W − η∇, 0, 1)``, not a step of the client optimiser, whose momentum and weight decay ``sgd`` would apply),
+on a random s % subset of the client's data with shuffles of its own (``sgd`` walks epochs over all of it), and the
+first ALA of a client stops when its loss has settled (a per-client, data-dependent number of epochs decided on the
+host from the losses); the branch on ``ala_runs`` (no ALA, ALA until settled, one epoch) also differs per client.
 """
 
 from __future__ import annotations

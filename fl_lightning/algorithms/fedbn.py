@@ -10,6 +10,9 @@ never uploaded and live in the client bank, so every client normalises its featu
 ``personal`` defaults to every BatchNorm layer of the network, found at set-up from the buffers a BN layer
 carries (``<layer>.running_mean``); a network without one is a ``ConfigError``.
 
+Both executors run it: the vectorized one keeps every client's BN statistics stacked ``[K, ...]`` and updates them
+from the client's own batches as torch does (``fl_lightning.client.FunctionalBatchNorm``).
+
 Privacy: the shared layers are trained through the client's BN affine parameters, so their upload depends on
 them (in training mode BN normalises with the batch statistics, so not on the running statistics).
 """
@@ -31,7 +34,7 @@ def batchnorm_prefixes(params: Params) -> tuple[str, ...]:
 
 
 class FedBN(FedAvg):
-    vectorizable = True  # ctx.sgd and dict operations; the engine runs BN networks sequentially (and logs it)
+    vectorizable = True  # ctx.sgd and dict operations; the stacked path keeps each client's BN statistics [K, ...]
     reveals = (
         "the non-BatchNorm layers after local SGD through the client's own BatchNorm layers (their affine "
         "parameters shape the update); the BN parameters and running statistics are never sent"

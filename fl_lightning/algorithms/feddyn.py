@@ -11,6 +11,9 @@ uploads Δθ_i = θ_i^t − θ^{t−1}. With m the number of clients and P the r
 
     h ← h − α·(1/m)·Σ_{i∈P} Δθ_i,        θ^t = (1/|P|)·Σ_{i∈P} θ_i^t − h/α = θ^{t−1} + mean_P Δθ_i − h/α.
 
+The linear and proximal terms are one ``Penalty`` with the client's g_i and θ^{t−1} as its per-client data and its
+gradient −g_i + α(θ − θ^{t−1}) in closed form (no autograd pass through it), so FedDyn runs on both executors.
+
 The server math is FedDyn's own (``server_update``): ``model.server_lr`` and server optimisers do not apply, and
 the plain mean over P needs ``model.aggregation: uniform`` (checked). |P| is the number of uploads the engine
 aggregated. Buffers (BatchNorm statistics) are averaged without h; frozen parameters are neither regularised nor
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params, Penalty
 from fl_lightning.errors import ConfigError
 
 STATE = "grad."
@@ -38,6 +41,7 @@ def _key(name: str) -> str:
 
 
 class FedDyn(Algorithm):
+    vectorizable = True  # ctx.sgd with a Penalty (its linear and proximal terms, gradient in closed form)
     state_prefixes = (STATE,)
     reveals = "Δθ_i, the local model's change, trained with the client's linear term ⟨g_i, θ⟩ (g_i is never sent)"
     state_dependent_uploads = (DELTA,)
@@ -83,16 +87,22 @@ class FedDyn(Algorithm):
         return dict(global_params)
 
     # -- client and server math --------------------------------------------------------------------------------
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def dynamic_regulariser(self, params: Params, data: Params) -> Tensor:
+        """−⟨g_i, θ⟩ + α/2‖θ − θ^{t−1}‖² (``data``: ``grad.<name>`` = g_i, ``<name>`` = θ^{t−1})."""
+        names = [n for n in data if not n.startswith(STATE)]
+        linear = sum((params[n] * data[STATE + n]).sum() for n in names)
+        return -linear + 0.5 * self.alpha * sum(((params[n] - data[n]) ** 2).sum() for n in names)
+
+    def regulariser_gradient(self, params: Params, data: Params) -> Params:
+        """Its gradient in closed form: −g_i + α(θ − θ^{t−1}) (no autograd pass through the term)."""
+        return {n: self.alpha * (params[n] - data[n]) - data[STATE + n] for n in data if not n.startswith(STATE)}
+
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         names = [n for n in ctx.param_names if STATE + n in state]
-        anchor = {n: global_params[n].detach() for n in names}
-        gradient = {n: state[STATE + n].detach() for n in names}
-
-        def dynamic_regulariser(params: Params) -> Tensor:
-            linear = sum((params[n] * gradient[n]).sum() for n in names)
-            return -linear + 0.5 * self.alpha * sum(((params[n] - anchor[n]) ** 2).sum() for n in names)
-
-        params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=dynamic_regulariser)
+        data = {n: global_params[n].detach() for n in names}
+        data.update({STATE + n: state[STATE + n].detach() for n in names})
+        penalty = Penalty(self.dynamic_regulariser, data, self.regulariser_gradient)
+        params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=penalty)
         upload = {DELTA + n: params[n] - global_params[n] for n in self.uploaded_names(params)}
         new_state = dict(state)
         for n in names:  # g_i ← g_i − α(θ_i − θ^{t−1})

@@ -7,7 +7,10 @@ C_i^(j) = (1/|D_ij|) Σ_{(x,y) ∈ D_ij} φ_i(x). A sampled client
 1. trains its model for ``local_epochs`` epochs of local SGD on CE(F_i(x), y) + λ‖φ_i(x) − C̄^(y)‖²₂ (the local
    loss, §"Local Model Update" and Appendix B's per-sample form), where C̄^(y) is the global prototype of the
    sample's class; samples of a class without a global prototype yet get the CE term only;
-2. computes its prototypes with the trained body and uploads them with its per-class counts |D_ij|.
+2. computes its prototypes from the body representations of its last local epoch's training batches (Algorithm 1
+   computes them inside the training loop; the authors' ``update_weights_het`` collects every batch's features of
+   the last epoch, before that batch's step: no second pass over the data) and uploads them with the per-class
+   counts of those samples (|D_ij| when the epoch covers all of them).
 
 The server averages per class, weighted by the counts: C̄^(j) = Σ_i |D_ij| C_i^(j) / Σ_i |D_ij| (§"Global
 Prototype Aggregation"; Appendix B writes it as Σ_i q_i C_i with Σ_i q_i = 1, which we follow: the main text's
@@ -36,7 +39,7 @@ from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
-from fl_lightning.client import BatchLoss, ClientContext, Params
+from fl_lightning.client import Client, Objective, Params
 from fl_lightning.errors import ConfigError
 
 SUMS = "class_feature_sums"
@@ -44,6 +47,7 @@ COUNTS = "class_counts"
 
 
 class FedProto(Algorithm):
+    vectorizable = True  # ctx.sgd with an Objective, ctx.class_sums and ctx.label_counts
     personal = ("body.", "head.")
     reveals = (
         "per-class prototypes of the client's body features (uploaded as per-class feature sums) and its per-class "
@@ -94,32 +98,25 @@ class FedProto(Algorithm):
         return {"global_prototypes": self.global_prototypes}
 
     # -- client --------------------------------------------------------------------------------------------
-    def objective(self, ctx: ClientContext) -> BatchLoss:
-        """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂, the regulariser only for samples whose class has a global prototype."""
+    def objective(self, ctx: Client, collect: bool = False) -> Objective:
+        """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂ per sample, the regulariser only for samples whose class has a global
+        prototype (the prototypes are the same for every client: no per-client data). With ``collect`` the phase
+        also sums φ(x) of its last epoch's batches per class (``ctx.class_sums_seen``: the local prototypes)."""
         prototypes, known = self.global_prototypes.detach(), self.known
 
-        def loss(params: Params, x: Tensor, y: Tensor) -> Tensor:
+        def loss(params: Params, x: Tensor, y: Tensor, data: Params) -> tuple[Tensor, None, Tensor]:
             features, out = features_and_outputs(ctx.net, params, x, ctx.side_for(x.shape[0]))
             distance = ((features - prototypes[y]) ** 2).sum(1) * known[y]
-            return ctx.loss_fn(out, y) + self.lam * distance.mean()
+            return ctx.per_sample_loss(out, y) + self.lam * distance, None, features
 
-        return loss
+        return Objective(loss, collect=tuple(self.global_prototypes.shape) if collect else None)
 
-    @torch.no_grad()
-    def local_prototypes(self, ctx: ClientContext, params: Params) -> tuple[Tensor, Tensor]:
-        """(Σ of φ(x) per class, count per class) over the client's training samples."""
-        num_classes, dim = self.global_prototypes.shape
-        sums = torch.zeros(num_classes, dim, device=ctx.x.device)
-        for i in range(0, ctx.num_samples, 2048):
-            features = body_features(ctx.net, params, ctx.x[i : i + 2048])
-            sums.index_add_(0, ctx.y[i : i + 2048], features.to(sums.dtype))
-        counts = torch.bincount(ctx.y, minlength=num_classes).to(sums.dtype)
-        return sums, counts
-
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
+        """Local training, whose last epoch's features give the prototypes (Algorithm 1 computes them inside the
+        training loop; the authors' ``update_weights_het`` collects ``protos`` of every batch of the last epoch)."""
         params = self.client_model(global_params, state)
-        params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx))
-        sums, counts = self.local_prototypes(ctx, params)
+        params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx, collect=True))
+        sums, counts = ctx.class_sums_seen
         return ClientUpdate(
             upload={SUMS: sums, COUNTS: counts},
             state={n: params[n] for n in state},
@@ -127,7 +124,7 @@ class FedProto(Algorithm):
             loss=ctx.train_loss,
         )
 
-    def finetune(self, ctx: ClientContext, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
+    def finetune(self, ctx: Client, params: Params, epochs: int, prefixes: Sequence[str]) -> Params:
         return ctx.sgd(params, ctx.params_with(prefixes), epochs, objective=self.objective(ctx))
 
     def predict(self, net: nn.Module, params: Params, x: Tensor, side: Tensor | None) -> Tensor:

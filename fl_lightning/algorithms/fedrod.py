@@ -17,10 +17,13 @@ moves neither θ nor ψ):
 
 Per minibatch both losses are computed from the same forward pass and both parameter sets take one step of the
 run's client optimiser (momentum SGD unless ``model.client_optimizer`` says otherwise), for ``local_epochs``
-epochs. The client uploads θ and ψ (FedAvg aggregation). Choices the paper leaves open, made here: φ_i starts at
-zero (a client's first personal prediction is the generic one), and both steps happen at the same minibatch
-(simultaneously, from the pre-step parameters). The paper's hypernetwork variant of the personal head is not
-implemented.
+epochs: one ``ctx.sgd`` phase over θ, ψ and φ_i whose ``Objective`` is ℓ_BSM + ℓ_P (ℓ_P's inputs detached, so θ, ψ
+get ℓ_BSM's gradient and φ_i ℓ_P's; the optimisers' updates are per parameter, so one optimiser over both sets
+steps as two would). It runs on both executors; with ``model.keep_client_optimizer_state`` θ and ψ continue
+from their kept state, φ_i starts fresh each round. The client uploads θ and ψ (FedAvg aggregation). Choices the
+paper leaves open, made here: φ_i starts at zero (a client's first personal prediction is the generic one), and
+both steps happen at the same minibatch (simultaneously, from the pre-step parameters). The paper's hypernetwork
+variant of the personal head is not implemented.
 
 Since h_G and h_P are linear, h_G(z) + h_P(z) is the linear head with weight W_G + W_P and bias b_G + b_P: that is
 the model a client is evaluated with (``client_model``), so FedRoD needs a one-layer linear classifier ``head``.
@@ -31,15 +34,13 @@ they reveal to the extent that a BSM update does.
 
 from __future__ import annotations
 
-import math
-
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, step_limit
+from fl_lightning.client import Client, Objective, Params
 from fl_lightning.errors import ConfigError
 
 PERSONAL = "p_head."
@@ -48,11 +49,15 @@ HEAD = ("head.weight", "head.bias")
 
 def log_prior(y: Tensor, num_classes: int, dtype: torch.dtype) -> Tensor:
     """log π_c = log(N_c / N) of the client's labels (−inf for a class it does not have)."""
-    counts = torch.bincount(y, minlength=num_classes).to(dtype)
-    return counts.log() - math.log(max(y.shape[0], 1))
+    return prior_shift(torch.bincount(y, minlength=num_classes).to(dtype))
 
 
-def features(ctx: ClientContext, params: Params, x: Tensor) -> Tensor:
+def prior_shift(counts: Tensor) -> Tensor:
+    """log π_c from per-class counts ``[..., C]`` (one client, or stacked clients)."""
+    return counts.log() - counts.sum(-1, keepdim=True).clamp(min=1).log()
+
+
+def features(ctx: Client, params: Params, x: Tensor) -> Tensor:
     """z: the body's output (through the side-information branch when the network has one)."""
     net = ctx.net
     z = functional_call(net.body, _under(params, "body."), (x,))
@@ -66,6 +71,7 @@ def _under(params: Params, prefix: str) -> Params:
 
 
 class FedRoD(Algorithm):
+    vectorizable = True  # ctx.sgd with an Objective (both heads' losses from one forward pass)
     state_prefixes = (PERSONAL,)
     reveals = (
         "the body and generic head after local SGD with the balanced softmax loss (shifted by the client's log "
@@ -95,43 +101,38 @@ class FedRoD(Algorithm):
         """h_G(z) + h_P(z) as one linear head: (W_G + W_P, b_G + b_P)."""
         return {**global_params, **{n: global_params[n] + state[PERSONAL + n] for n in self.head_names}}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
-        if ctx.y.is_floating_point():
+    def check_compatible(self, net: nn.Module, num_classes: int | None) -> None:
+        if num_classes is None:
             raise ConfigError("FedRoD is a classification method (balanced softmax over classes); the task has none")
-        names = ctx.param_names
-        shared = {n: t.detach().clone() for n, t in global_params.items()}  # buffers too: BN updates these copies
-        personal = {n: state[PERSONAL + n].detach().clone() for n in self.head_names}
-        leaves = {n: shared[n].requires_grad_(True) for n in names}
-        for t in personal.values():
-            t.requires_grad_(True)
-        opt_shared, opt_personal = ctx.optimizer.build(leaves), ctx.optimizer.build(personal)
-        shift = log_prior(ctx.y, shared["head.weight"].shape[0], shared["head.weight"].dtype)
-        bs = ctx.optimizer.batch_size
-        per_epoch = math.ceil(ctx.num_samples / bs)
-        cap = step_limit(ctx.step_budget, self.local_epochs, ctx.num_samples, bs, None)
-        total = self.local_epochs * per_epoch if cap is None else min(cap, self.local_epochs * per_epoch)
-        steps, loss_sum = 0, 0.0
-        for _ in range(self.local_epochs):
-            for x, y in ctx.batches():
-                if steps >= total:
-                    break
-                z = features(ctx, shared, x)
-                generic = functional_call(ctx.net.head, _under(shared, "head."), (z,))
-                loss_generic = F.cross_entropy(generic + shift, y)  # balanced softmax
-                grads = torch.autograd.grad(loss_generic, list(leaves.values()), allow_unused=True)
-                head_p = functional_call(ctx.net.head, _under(personal, "head."), (z.detach(),))
-                loss_personal = F.cross_entropy(generic.detach() + head_p, y)
-                grads_p = torch.autograd.grad(loss_personal, list(personal.values()))
-                for leaf, g in (*zip(leaves.values(), grads), *zip(personal.values(), grads_p)):
-                    leaf.grad = g  # None for a leaf the loss does not reach: the optimiser skips it
-                opt_shared.step()
-                opt_personal.step()
-                loss_sum += float(loss_personal.detach())
-                steps += 1
-        ctx.train_loss = loss_sum / max(steps, 1)  # the personalised prediction's loss
+
+    def objective(self, ctx: Client) -> Objective:
+        """Per sample, ℓ_BSM of the generic head plus ℓ_P of the personal head on detached inputs (so the sum's
+        gradient is ℓ_BSM's for θ, ψ and ℓ_P's for φ_i: both losses from one forward pass); ``train_loss`` reports
+        ℓ_P (the personalised prediction's loss). ``data``: the client's log class prior ``shift``."""
+
+        def loss(params: Params, x: Tensor, y: Tensor, data: Params) -> tuple[Tensor, Tensor]:
+            z = features(ctx, params, x)
+            generic = functional_call(ctx.net.head, _under(params, "head."), (z,))
+            personal = functional_call(ctx.net.head, _under(params, PERSONAL + "head."), (z.detach(),))
+            loss_generic = F.cross_entropy(generic + data["shift"], y, reduction="none")  # balanced softmax
+            loss_personal = F.cross_entropy(generic.detach() + personal, y, reduction="none")
+            return loss_generic + loss_personal, loss_personal
+
+        return Objective(loss)
+
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
+        weight = global_params["head.weight"]
+        counts = ctx.label_counts(weight.shape[-2]).to(weight.dtype)
+        shift = prior_shift(counts)  # log π_c (−inf: absent class)
+        personal = {PERSONAL + n: state[PERSONAL + n] for n in self.head_names}
+        objective = self.objective(ctx)
+        objective.data = {"shift": shift}
+        trained = [*ctx.param_names, *personal]
+        params = ctx.sgd({**global_params, **personal}, trained, self.local_epochs, objective=objective)
+        shared = {n: params[n] for n in global_params}
         return ClientUpdate(
-            upload={n: shared[n].detach() for n in self.trained_names(shared)},
-            state={PERSONAL + n: t.detach() for n, t in personal.items()},
+            upload={n: shared[n] for n in self.trained_names(shared)},
+            state={n: params[n] for n in personal},
             num_samples=ctx.num_samples,
-            loss=ctx.train_loss,
+            loss=ctx.train_loss,  # the personalised prediction's loss
         )

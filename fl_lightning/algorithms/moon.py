@@ -16,6 +16,8 @@ body's output (no extra layers, so that MOON runs on every ``SplitModel``); a cl
 the initial global model as w_i^{prev} (its first round's ℓ_con is the constant log 2). τ = 0.5 and μ = 5 on
 CIFAR-10, 1 on CIFAR-100 (§4.1).
 
+The loss is an ``Objective`` with w^t and w_i^{prev} as its per-client data, so MOON runs on both executors.
+
 Privacy: the upload is trained with the negative pair computed by the client's previous local model, so it
 depends on that model (declared); the previous model itself (``prev.``) is never uploaded.
 """
@@ -28,10 +30,11 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
-from fl_lightning.client import BatchLoss, ClientContext, Params
+from fl_lightning.client import Client, Objective, Params
 from fl_lightning.errors import ConfigError
 
 PREVIOUS = "prev."
+GLOBAL = "glob."  #: the global model w^t in the objective's data
 
 
 def contrastive_loss(z: Tensor, positive: Tensor, negative: Tensor, temperature: float) -> Tensor:
@@ -41,6 +44,7 @@ def contrastive_loss(z: Tensor, positive: Tensor, negative: Tensor, temperature:
 
 
 class MOON(Algorithm):
+    vectorizable = True  # ctx.sgd with an Objective (the fixed models as its per-client data)
     state_prefixes = (PREVIOUS,)
     reveals = (
         "the local model after SGD with the contrastive term, whose negative pair comes from the client's previous "
@@ -66,21 +70,23 @@ class MOON(Algorithm):
     def previous_model(self, global_params: Params, state: Params) -> Params:
         return {n: state.get(PREVIOUS + n, t) for n, t in global_params.items()}
 
-    def objective(self, ctx: ClientContext, global_params: Params, previous: Params) -> BatchLoss:
-        """ℓ_sup + μ·ℓ_con, the positive and negative representations from fixed models (copies: a BatchNorm layer
-        in train mode updates its running statistics in place)."""
-        glob = {n: t.detach().clone() for n, t in global_params.items()}
-        prev = {n: t.detach().clone() for n, t in previous.items()}
+    def objective(self, ctx: Client, global_params: Params, previous: Params) -> Objective:
+        """ℓ_sup + μ·ℓ_con per sample, the positive and negative representations from fixed models carried as the
+        objective's per-client data (copies: a BatchNorm layer in train mode updates its running statistics in
+        place on the sequential path)."""
+        data = {GLOBAL + n: t.detach().clone() for n, t in global_params.items()}
+        data.update({PREVIOUS + n: t.detach().clone() for n, t in previous.items()})
 
-        def loss(params: Params, x: Tensor, y: Tensor) -> Tensor:
+        def loss(params: Params, x: Tensor, y: Tensor, fixed: Params) -> Tensor:
             z, out = features_and_outputs(ctx.net, params, x, ctx.side_for(x.shape[0]))
             with torch.no_grad():
-                positive, negative = body_features(ctx.net, glob, x), body_features(ctx.net, prev, x)
-            return ctx.loss_fn(out, y) + self.mu * contrastive_loss(z, positive, negative, self.temperature).mean()
+                positive = body_features(ctx.net, _under(fixed, GLOBAL), x)
+                negative = body_features(ctx.net, _under(fixed, PREVIOUS), x)
+            return ctx.per_sample_loss(out, y) + self.mu * contrastive_loss(z, positive, negative, self.temperature)
 
-        return loss
+        return Objective(loss, data)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         previous = self.previous_model(global_params, state)
         objective = self.objective(ctx, global_params, previous)
         params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, objective=objective)
@@ -91,3 +97,7 @@ class MOON(Algorithm):
             num_samples=ctx.num_samples,
             loss=ctx.train_loss,
         )
+
+
+def _under(params: Params, prefix: str) -> Params:
+    return {n[len(prefix) :]: v for n, v in params.items() if n.startswith(prefix)}

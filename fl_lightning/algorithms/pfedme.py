@@ -15,6 +15,10 @@ It uploads w and keeps the last θ̃ as its personal model θ_i (client bank, ``
 with. The server mixes, w^{t+1} = (1 − β)w^t + β·mean_S w_i: that is the engine's server step with ``server_lr``
 = β (β = 1 in the configs, the paper's comparison setting).
 
+Both steps are one ``ctx.sgd`` phase of R steps (``max_steps``, a straggler's share per client) whose ``Gradient``
+solves the personal problem with ``torch.func`` and hands θ̃ on to the next step (the values a step sets), so
+pFedMe runs on both executors.
+
 Choices where the paper leaves one open: only the sampled clients train (Algorithm 1 lets all N clients train and
 aggregates S of them; the others' θ_i here keep the value of their last round); each round's first personal
 solve starts from θ = w^t and later ones warm-start from the previous θ̃ (the starting point of the inner
@@ -26,25 +30,18 @@ upload does not depend on θ_i, bit for bit; θ_i is declared state (``theta.``)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, load_state, save_state
+from fl_lightning.client import Client, Params
 from fl_lightning.errors import ConfigError
 
 PERSONAL = "theta."
 
 
-def endless_batches(ctx: ClientContext) -> Iterator[tuple[Tensor, Tensor]]:
-    """The client's shuffled minibatches, epoch after epoch (each epoch reshuffled with the client's generator)."""
-    while True:
-        yield from ctx.batches()
-
-
 class PFedMe(Algorithm):
+    vectorizable = True  # ctx.sgd with a Gradient (the personal solve) that carries θ̃ from step to step
     state_prefixes = (PERSONAL,)
     reveals = "the local model w after R Moreau-envelope steps from the global model; nothing of the personal model θ_i"
 
@@ -70,51 +67,48 @@ class PFedMe(Algorithm):
     def client_model(self, global_params: Params, state: Params) -> Params:
         return {n: state.get(PERSONAL + n, t) for n, t in global_params.items()}
 
-    def rounds_for(self, ctx: ClientContext) -> int:
+    def rounds_for(self, num_samples: int, step_budget: float) -> int:
         """R, or a straggler's share of it (at least one); none without data."""
-        if ctx.num_samples == 0:
+        if num_samples == 0:
             return 0
-        return self.local_steps if ctx.step_budget >= 1 else max(1, int(ctx.step_budget * self.local_steps))
+        return self.local_steps if step_budget >= 1 else max(1, int(step_budget * self.local_steps))
 
     def personal_solve(
-        self, ctx: ClientContext, theta: Params, w: Params, x: Tensor, y: Tensor
-    ) -> tuple[Params, float]:
+        self, ctx: Client, theta: Params, w: Params, x: Tensor, y: Tensor, mask: Tensor
+    ) -> tuple[Params, Tensor]:
         """K gradient steps on f_i(θ; D) + λ/2‖θ − w‖² from ``theta`` (trainable names only); the mean f_i seen."""
-        names, loss_sum = list(theta), 0.0
+        loss_sum = torch.zeros((), device=x.device)
+
+        def objective(q: Params) -> tuple[Tensor, Tensor]:
+            loss = ctx.batch_loss({**w, **q}, x, y, mask)
+            proximal = 0.5 * self.lam * sum(((q[n] - w[n]) ** 2).sum() for n in q)
+            return loss + proximal, loss
+
         for _ in range(self.inner_steps):
-            leaves = {n: theta[n].detach().requires_grad_(True) for n in names}
-            loss = ctx.loss({**w, **leaves}, x, y)
-            proximal = 0.5 * self.lam * sum(((leaves[n] - w[n]) ** 2).sum() for n in names)
-            grads = torch.autograd.grad(loss + proximal, [leaves[n] for n in names])
-            theta = {n: (leaves[n] - self.personal_lr * g).detach() for n, g in zip(names, grads)}
-            loss_sum += float(loss.detach())
+            grads, loss = torch.func.grad(objective, has_aux=True)(theta)
+            theta = {n: theta[n] - self.personal_lr * grads[n] for n in theta}
+            loss_sum = loss_sum + loss.detach()
         return theta, loss_sum / self.inner_steps
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
+        """R steps of the client optimiser along λ(w − θ̃), each on one minibatch (epoch after epoch, reshuffled):
+        ``ctx.sgd`` with a ``Gradient`` that solves the personal problem and carries θ̃ to the next step."""
         names = ctx.param_names
-        w = {n: t.detach().clone() for n, t in global_params.items()}
-        leaves = {n: w[n].requires_grad_(True) for n in names}
-        theta = {n: w[n].detach().clone() for n in names}
-        opt = ctx.optimizer.build(leaves)
-        if ctx.optimizer_state is not None:
-            load_state(opt, leaves, ctx.optimizer_state)
-        rounds, loss_sum = self.rounds_for(ctx), 0.0
-        batches = endless_batches(ctx)
-        for _ in range(rounds):
-            x, y = next(batches)
-            anchor = {n: t.detach() for n, t in w.items()}
-            theta, loss = self.personal_solve(ctx, theta, anchor, x, y)
-            for n in names:  # ∇F_i(w) = λ(w − θ̃)
-                leaves[n].grad = self.lam * (anchor[n] - theta[n])
-            opt.step()
-            loss_sum += loss
-        ctx.train_loss = loss_sum / max(rounds, 1)
-        if ctx.optimizer_state is not None:
-            ctx.optimizer_state = save_state(opt, leaves, ctx.optimizer_state, rounds)
-        w = {n: t.detach() for n, t in w.items()}
+        start = {PERSONAL + n: global_params[n] for n in names}  # the first personal solve starts from w^t
+
+        def envelope_gradient(values: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor, Params]:
+            w = {n: v for n, v in values.items() if not n.startswith(PERSONAL)}
+            theta, loss = self.personal_solve(ctx, {n: values[PERSONAL + n] for n in names}, w, x, y, mask)
+            grads = {n: self.lam * (w[n] - theta[n]) for n in names}  # ∇F_i(w) = λ(w − θ̃)
+            return grads, loss, {PERSONAL + n: theta[n] for n in names}
+
+        params = ctx.sgd(
+            {**global_params, **start}, names, self.local_steps, max_steps=self.rounds_for, gradient=envelope_gradient
+        )
+        w = {n: params[n] for n in global_params}
         return ClientUpdate(
             upload={n: w[n] for n in self.trained_names(w)},
-            state={PERSONAL + n: theta.get(n, w[n]) for n in self.trained_names(w)},
+            state={PERSONAL + n: params[PERSONAL + n] if n in names else w[n] for n in self.trained_names(w)},
             num_samples=ctx.num_samples,
             loss=ctx.train_loss,
         )

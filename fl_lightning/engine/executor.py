@@ -116,7 +116,7 @@ def _blocker(algorithm: Algorithm, net: nn.Module, workload: Workload) -> str | 
     """Why the stacked path cannot run this workload at all, or None."""
     if not workload.evaluation and not declares_vectorizable(algorithm):
         return f"{type(algorithm).__name__} is not marked vectorizable"
-    if has_batchnorm(net):
+    if workload.evaluation and has_batchnorm(net):  # training stacks per-client BatchNorm statistics; scoring not
         return "the network has BatchNorm layers"
     return None
 

@@ -1,10 +1,16 @@
 """The vectorized client executor: all sampled clients of a round in one pass, with the sequential loop's math.
 
 ``VectorizedContext`` presents ``K`` clients to an algorithm as one context whose parameters are stacked
-``[K, ...]``. Algorithms written only with dict operations and ``ctx.sgd`` (``Algorithm.vectorizable = True``:
-FedAvg, FedPer, LG-FedAvg, Local Only, FedRep, FedProx, Ditto, SCAFFOLD, APFL, L2GD, Fed-MTL, Per-FedAvg) run
-unchanged on it; per-client constants of a loss term travel in a ``Penalty``'s data, custom step directions
-(Per-FedAvg's meta-gradient, APFL's two models) as a ``Gradient`` function that is ``vmap``-ed over clients.
+``[K, ...]``: it implements the client contract ``fl_lightning.client.Client``, as ``ClientContext`` does for one
+client. Algorithms written only against it and dict operations (``Algorithm.vectorizable = True``: FedAvg, FedPer,
+LG-FedAvg, Local Only, FedRep, FedBABU, FedProx, Ditto, SCAFFOLD, APFL, L2GD, Fed-MTL, Per-FedAvg, FedBN, MOON,
+FedProto, FedDyn, pFedMe, FedRoD) run unchanged on it. Per-client constants of a loss term travel in the data of a
+``Penalty`` (whose gradient may be given in closed form: no autograd pass through a proximal term) or of an
+``Objective`` (a per-sample minibatch loss written for one client: MOON's contrastive term, FedProto's prototype
+distance, FedRoD's two heads), custom step directions (Per-FedAvg's meta-gradient, APFL's two models, pFedMe's
+personal solve, which carries θ̃ from step to step) as a ``Gradient``; all of them are ``vmap``-ed over clients.
+BatchNorm layers keep each client's running statistics ``[K, ...]``: in a ``vmap``-ed step ``FunctionalBatchNorm``
+normalises with the batch statistics of the client's real rows and returns the statistics torch would have written.
 
 Its ``sgd`` reproduces ``ClientContext.sgd``: each client draws its epochs from its own generator exactly as the
 sequential loop does (``epoch_draws``), walks its own minibatches (padded and masked; step ``s`` of every client
@@ -16,18 +22,20 @@ No host syncs inside a phase: the draws of all its epochs are made on the CPU ge
 moved to the device in ONE copy (``PhasePlan``); which client steps when is known on the host; losses are summed
 on the device. How each step is computed:
 
-* a phase that trains only the head (no side branch) on a frozen body runs the body on the phase's batches in a
-  few large no-grad passes: once per client and round without augmentation, or per block of steps on the
-  augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole cohort when the clients
-  share the body (FedRep's head phase, "+FT") — then trains the heads on those features. ``sequential_forward``
-  runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in place (the same values);
+* a phase that trains only the head (no side branch, no BatchNorm, no custom objective) on a frozen body runs the
+  body on the phase's batches in a few large no-grad passes: once per client and round without augmentation, or per
+  block of steps on the augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole
+  cohort when the clients share the body (FedRep's head phase, "+FT") — then trains the heads on those features.
+  ``sequential_forward`` runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in
+  place (the same values);
 * networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
   matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
 * other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
   turns a convolution with per-client weights into one grouped convolution);
 * convolutional phases on the CPU client by client on the phase plan's batches (``CONV_CLIENTS``: plain autograd
   in ``channels_last`` beat both ``vmap`` and grouped convolutions there, ``make bench`` measures it), each client
-  with ``sequential_forward`` and torch's fused SGD, no context or batch generator per client;
+  with ``sequential_forward`` (or the phase's ``Objective``), its own BatchNorm buffers and torch's fused SGD, no
+  context or batch generator per client;
 * client by client with ``ClientContext`` (on the same generators, so the same numbers), logged once: recurrent
   networks (LSTM: no batching rule for per-client weights), client optimisers without a batched form,
   augmentations that cannot draw ahead, and CPU convolutional phases with a custom step direction, side
@@ -37,25 +45,33 @@ on the device. How each step is computed:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fl_lightning.client import (
     STEPS,
     ClientContext,
     ClientOptimizer,
+    FunctionalBatchNorm,
     Gradient,
+    MaxSteps,
+    Objective,
     Params,
     Penalty,
     PenaltyLike,
+    class_sum_step,
     draws_ahead,
+    empty_class_sums,
     epoch_draws,
     factory_name,
+    has_batchnorm,
+    penalty_gradient,
     select,
     state_name,
     step_limit,
@@ -232,10 +248,6 @@ def has_rnn(net: nn.Module) -> bool:
     return any(isinstance(m, nn.RNNBase) for m in net.modules())
 
 
-def has_batchnorm(net: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules())
-
-
 def stack(dicts: Sequence[Params]) -> Params:
     return {n: torch.stack([d[n] for d in dicts]) for n in dicts[0]} if dicts else {}
 
@@ -303,6 +315,9 @@ class PhasePlan:
     steps: Tensor
     host_steps: list[int]
     lengths: list[list[int]]
+    #: the step at which each client's last epoch (with a step) begins, on the host and on the device (``[K]``)
+    host_last_epoch: list[int] = field(default_factory=list)
+    last_epoch: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -318,26 +333,31 @@ def plan_phase(
     epochs: int,
     batch_size: int,
     min_batch: int,
-    max_steps: int | None,
+    max_steps: int | None | Sequence[int | None],
     device: torch.device,
 ) -> PhasePlan:
     """The draws ``ClientContext.sgd`` makes, for every client: per epoch entered, one ``epoch_draws`` (shuffle and
     augmentation), then its minibatches in order, the last one skipped if it has fewer than ``min_batch`` samples,
-    up to the client's step limit. Step ``s`` of every client is row ``s`` of the plan."""
+    up to the client's step limit (``max_steps``: one for all, or one per client). Step ``s`` of every client is row
+    ``s`` of the plan."""
     per_client: list[tuple[list[Tensor], list[Tensor]]] = []
     steps: list[int] = []
     lengths: list[list[int]] = []
-    for n, start, g, budget in zip(sizes, offsets, generators, budgets):
-        limit = step_limit(budget, epochs, n, batch_size, max_steps, min_batch)
+    last_epoch: list[int] = []
+    caps = list(max_steps) if isinstance(max_steps, Sequence) else [max_steps] * len(sizes)
+    for n, start, g, budget, cap in zip(sizes, offsets, generators, budgets, caps):
+        limit = step_limit(budget, epochs, n, batch_size, cap, min_batch)
         per_epoch = steps_per_epoch(n, batch_size, min_batch)
         rows, draws, taken = [], [], 0
         lengths.append([])
+        last_epoch.append(0)
         for _ in range(epochs):
             if limit is not None and taken >= limit:
                 break
             perm, drawn = epoch_draws(n, g, augment)
             take = per_epoch if limit is None else min(per_epoch, limit - taken)
             if take:
+                last_epoch[-1] = taken
                 used = min(n, per_epoch * batch_size)
                 padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
                 padded[:used] = perm[:used] + start
@@ -360,10 +380,12 @@ def plan_phase(
             packed[: steps[k], k, :, 0] = torch.cat(rows)
         if draws:
             packed[: steps[k], k, :, 1:] = torch.cat(draws).reshape(steps[k], batch_size, -1)
-    packed = torch.cat([packed.reshape(-1), torch.tensor(steps, dtype=torch.long)])
+    k = len(sizes)
+    packed = torch.cat([packed.reshape(-1), torch.tensor(steps + last_epoch, dtype=torch.long)])
     packed = to_device(packed, device)  # the phase's only host-to-device transfer
-    body, steps_t = packed[: -len(sizes)].view(total, len(sizes), batch_size, width), packed[-len(sizes) :]
-    return PhasePlan(body[..., 0], body[..., 1:] if width > 1 else None, steps_t, steps, lengths)
+    body, tail = packed[: -2 * k].view(total, k, batch_size, width), packed[-2 * k :]
+    rows, draws = body[..., 0], body[..., 1:] if width > 1 else None
+    return PhasePlan(rows, draws, tail[:k], steps, lengths, last_epoch, tail[k:])
 
 
 class VectorizedContext:
@@ -388,7 +410,7 @@ class VectorizedContext:
     ) -> None:
         self.net, self.clients, self.xs, self.ys = net, list(clients), list(xs), list(ys)
         self.sides = None if sides is None else torch.stack(list(sides))
-        self.optimizer, self.per_sample_loss, self.generators = optimizer, per_sample_loss, list(generators)
+        self.optimizer, self._per_sample, self.generators = optimizer, per_sample_loss, list(generators)
         self.augment, self.round, self.seed, self.step_budgets = augment, round_idx, seed, list(step_budgets)
         self.cache_features = cache_features
         self.device = xs[0].device if xs else torch.device("cpu")
@@ -396,6 +418,7 @@ class VectorizedContext:
             loop_over_clients = has_conv(net) and conv_clients(self.device) == "loop"
         self.loop_over_clients = loop_over_clients
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
+        self.buffer_names = frozenset(n for n, _ in net.named_buffers())
         self.sizes = [x.shape[0] for x in xs]  # on the host: nothing is read back from the device
         self.offsets = [sum(self.sizes[:k]) for k in range(len(self.sizes))]
         self.train_loss: Tensor = torch.zeros(len(xs), device=self.device)
@@ -404,8 +427,11 @@ class VectorizedContext:
         self.feature_passes = 0  # how many times a frozen body computed features (for tests and the benchmark)
         #: the clients' kept optimiser state stacked ``[K, ...]`` (``local.state_template`` names), or None: fresh
         self.optimizer_state: Params | None = None
+        #: (per-class sums ``[K, C, D]``, counts ``[K, C]``) of the last phase's ``Objective.collect``, or None
+        self.class_sums_seen: tuple[Tensor, Tensor] | None = None
         self._data: tuple[Tensor, Tensor] | None = None
         self._side: Tensor | None = None  # the client's side vector inside a vmapped step (``batch_loss``)
+        self._batchnorm: FunctionalBatchNorm | None = None  # per-client BatchNorm statistics in a vmapped phase
 
     @property
     def num_clients(self) -> int:
@@ -414,6 +440,11 @@ class VectorizedContext:
     @property
     def num_samples(self) -> list[int]:
         return self.sizes
+
+    @property
+    def step_budget(self) -> list[float]:
+        """Each client's straggler budget."""
+        return self.step_budgets
 
     def params_with(self, prefixes: Sequence[str]) -> list[str]:
         return select(self.param_names, prefixes)
@@ -438,13 +469,35 @@ class VectorizedContext:
         kwargs = {}
         if module is self.net and self._side is not None:
             kwargs["side"] = self._side.expand(x.shape[0], *self._side.shape)
-        out = functional_call(module, local, (x,), kwargs, strict=False)
+        with self._batchnorm.rows(mask) if self._batchnorm is not None else nullcontext():
+            out = functional_call(module, local, (x,), kwargs, strict=False)
         return (self.per_sample_loss(out, y) * mask).sum() / mask.sum().clamp(min=1)
 
     def batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None = None) -> Tensor:
         """One client's minibatch loss for a ``Gradient`` function (called inside ``vmap``)."""
         mask = torch.ones_like(y, dtype=x.dtype) if mask is None else mask
         return self._masked_loss(self.net, {n: n for n in params}, params, x, y, mask)
+
+    def side_for(self, n: int) -> Tensor | None:
+        """The side vector of the client being computed (inside ``sgd``'s functions) for ``n`` samples."""
+        return None if self._side is None else self._side.expand(n, *self._side.shape)
+
+    def forward(self, params: Params, x: Tensor) -> Tensor:
+        """One client's outputs (inside ``sgd``'s functions, where ``params`` are that client's)."""
+        return functional_call(self.net, params, (x,), {"side": self.side_for(x.shape[0])}, strict=False)
+
+    def loss(self, params: Params, x: Tensor, y: Tensor) -> Tensor:
+        """One client's mean loss on ``(x, y)`` (inside ``sgd``'s functions)."""
+        return self.per_sample_loss(self.forward(params, x), y).mean()
+
+    def per_sample_loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return self._per_sample(out, y)
+
+    def label_counts(self, num_classes: int) -> Tensor:
+        """Each client's training samples per class ``[K, C]``."""
+        if not self.ys:
+            return torch.zeros(0, num_classes, dtype=torch.long, device=self.device)
+        return torch.stack([torch.bincount(y, minlength=num_classes) for y in self.ys])
 
     @torch.no_grad()
     def mean_loss(self, params: Params) -> Tensor:
@@ -461,10 +514,14 @@ class VectorizedContext:
         return torch.stack(out) if out else torch.zeros(0, device=self.device)
 
     # ---- features of a frozen body --------------------------------------------------------------------------
-    def _head_only(self, trainable: Sequence[str], gradient: Gradient | None) -> bool:
+    def _head_only(self, trainable: Sequence[str], gradient: Gradient | None, objective: Objective | None) -> bool:
+        """Whether the phase trains only the head on the features of a frozen body computed ahead (not with a custom
+        step or objective, nor through BatchNorm layers, whose train-mode features depend on the batch)."""
         return (
             self.cache_features
             and gradient is None
+            and objective is None
+            and not has_batchnorm(self.net)
             and self.sides is None
             and getattr(self.net, "side", None) is None
             and isinstance(getattr(self.net, "body", None), nn.Module)
@@ -516,15 +573,21 @@ class VectorizedContext:
         epochs: int,
         penalty: PenaltyLike | None = None,
         lr: float | None = None,
-        max_steps: int | None = None,
+        max_steps: MaxSteps = None,
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
         min_batch: int = 1,
+        objective: Objective | None = None,
     ) -> Params:
         """``ClientContext.sgd`` for every client at once (same batches, same steps, same result). Parameters it
-        does not train are returned as given (not copied)."""
+        does not train are returned as given (not copied), BatchNorm buffers as the clients' forward passes left
+        them."""
         out = {n: t.detach() for n, t in params.items()}
+        collect = None if objective is None else objective.collect
+        self.class_sums_seen = None
+        if collect is not None:
+            self.class_sums_seen = empty_class_sums(collect, self.device, clients=(self.num_clients,))
         if not trainable or epochs <= 0 or self.num_clients == 0:
             return out
         if penalty is not None and not isinstance(penalty, Penalty):
@@ -533,47 +596,40 @@ class VectorizedContext:
         rule = batched_rule(self.optimizer)
         trainable = list(trainable)
         bs = batch_size or self.optimizer.batch_size
-        args = (out, trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch)
+        phase = _Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
         if rule is None:
             name = factory_name(self.optimizer.factory)
             _log_once(name, "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
-            return self._sgd_client_by_client(*args)
+            return self._sgd_client_by_client(out, phase)
         if self.augment is not None and not draws_ahead(self.augment):
             _log_once("augment", "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
-            return self._sgd_client_by_client(*args)
-        head_only = self._head_only(trainable, gradient)
+            return self._sgd_client_by_client(out, phase)
+        head_only = self._head_only(trainable, gradient, objective)
         if not head_only and has_rnn(self.net):
             _log_once("rnn", "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
-            return self._sgd_client_by_client(*args)
+            return self._sgd_client_by_client(out, phase)
         if not head_only and self.loop_over_clients:
             if gradient is None and self.sides is None and self.optimizer_state is None:
-                return self._sgd_in_turn(out, trainable, epochs, penalty, lr, max_steps, bs, min_batch)
-            return self._sgd_client_by_client(*args)
-        return self._sgd_batched(rule, head_only, *args)
+                return self._sgd_in_turn(out, phase)
+            return self._sgd_client_by_client(out, phase)
+        return self._sgd_batched(rule, head_only, out, phase)
 
-    def _plan(self, epochs: int, bs: int, min_batch: int, max_steps: int | None) -> PhasePlan:
+    def _caps(self, max_steps: MaxSteps) -> int | None | list[int]:
+        """Each client's step cap (a function of its size and budget), or the one cap of all."""
+        if callable(max_steps):
+            return [max_steps(n, b) for n, b in zip(self.sizes, self.step_budgets)]
+        return max_steps
+
+    def _plan(self, epochs: int, bs: int, min_batch: int, max_steps: MaxSteps) -> PhasePlan:
         """This phase's ``plan_phase`` for the cohort (augmentation draws made ahead where the augmentation can)."""
         augment = self.augment if draws_ahead(self.augment) else None
         return plan_phase(
             self.sizes, self.offsets, self.generators, self.step_budgets, augment,
-            epochs, bs, min_batch, max_steps, self.device,
+            epochs, bs, min_batch, self._caps(max_steps), self.device,
         )  # fmt: skip
 
-    def _sgd_batched(
-        self,
-        rule: BatchedRule,
-        head_only: bool,
-        out: Params,
-        trainable: list[str],
-        epochs: int,
-        penalty: Penalty | None,
-        lr: float,
-        max_steps: int | None,
-        gradient: Gradient | None,
-        bs: int,
-        min_batch: int,
-    ) -> Params:
-        plan = self._plan(epochs, bs, min_batch, max_steps)
+    def _sgd_batched(self, rule: BatchedRule, head_only: bool, out: Params, phase: _Phase) -> Params:
+        plan = self._plan(phase.epochs, phase.bs, phase.min_batch, phase.max_steps)
         self.steps_taken = plan.steps
         if plan.num_steps == 0:
             self.train_loss = torch.zeros(self.num_clients, device=self.device)
@@ -583,6 +639,7 @@ class VectorizedContext:
         rows = plan.rows.clamp(min=0)
         mask_all = valid.to(data_x.dtype if data_x.is_floating_point() else torch.get_default_dtype())
         active_all = valid[:, :, 0]
+        penalty, lr = phase.penalty, phase.lr
 
         if head_only:
             module, names = self.net.head, {n: n[len("head.") :] for n in out if n.startswith("head.")}
@@ -597,12 +654,14 @@ class VectorizedContext:
                     x = self.augment.apply(x.flatten(0, 1), plan.draws[s].flatten(0, 1)).view(x.shape)
                 return x
 
-        stacked = gradient is None and self.sides is None and stackable(module)
-        step = None if stacked else self._vmapped_step(module, names, penalty, gradient)
+        batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) and not head_only else None
+        stacked = phase.gradient is None and phase.objective is None and self.sides is None and stackable(module)
+        step = None if stacked else self._vmapped_step(module, names, phase, batchnorm)
 
-        train = {n: out[n] for n in trainable}
+        train = {n: out[n] for n in phase.trainable}
         frozen = {n: v for n, v in out.items() if n not in train}
         pdata = {} if penalty is None else penalty.data
+        odata = {} if phase.objective is None else phase.objective.data
         wd = rule.weight_decay
         kept = self.optimizer_state
         # a fresh optimiser for this phase, or each client's kept state (names outside the model start fresh)
@@ -614,25 +673,35 @@ class VectorizedContext:
                 count[n] = kept[state_name(STEPS, n)].clone()
         loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
         fewest = min(plan.host_steps)
-        for s in range(plan.num_steps):
-            active, mask = active_all[s], mask_all[s]
-            everyone = s < fewest  # every client steps (known on the host): nothing to mask
-            x, y = batch_inputs(s), data_y[rows[s]]
-            if step is None:
-                grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
-            else:
-                grads, losses = step(train, frozen, x, y, mask, self.sides, pdata)
-            for n, g in grads.items():
-                decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
-                new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
-                if everyone:
-                    train[n], state[n], count[n] = new_p, new_state, count[n] + 1
-                    continue
-                train[n] = torch.where(_per_client(active, g), new_p, train[n])
-                state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
-                count[n] = count[n] + active.long()
-            step_loss = losses.detach().to(loss_sum.dtype)
-            loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
+        changed: set[str] = set()
+        with self._functional_batchnorm(batchnorm):
+            for s in range(plan.num_steps):
+                active, mask = active_all[s], mask_all[s]
+                everyone = s < fewest  # every client steps (known on the host): nothing to mask
+                x, y = batch_inputs(s), data_y[rows[s]]
+                if step is None:
+                    grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
+                    sets, extra = {}, {}
+                else:
+                    grads, losses, sets, extra = step(train, frozen, x, y, mask, self.sides, pdata, odata)
+                if "values" in extra:  # the rows of each client's last epoch (Objective.collect)
+                    last = (active & (plan.last_epoch <= s)).to(mask.dtype)
+                    self._collect(extra["values"], y, mask * last[:, None])
+                for n, g in grads.items():
+                    decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
+                    new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
+                    if everyone:
+                        train[n], state[n], count[n] = new_p, new_state, count[n] + 1
+                        continue
+                    train[n] = torch.where(_per_client(active, g), new_p, train[n])
+                    state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
+                    count[n] = count[n] + active.long()
+                for n, v in sets.items():  # untrained values the step set (BatchNorm statistics, pFedMe's θ̃)
+                    v = v.to(frozen[n].dtype)
+                    frozen[n] = v if everyone else torch.where(_per_client(active, v), v, frozen[n])
+                    changed.add(n)
+                step_loss = losses.detach().to(loss_sum.dtype)
+                loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
         self.train_loss = loss_sum / plan.steps.clamp(min=1)
         if kept is not None:
             self.optimizer_state = dict(kept)
@@ -643,7 +712,31 @@ class VectorizedContext:
                 for k, v in state[n].items():
                     self.optimizer_state[state_name(k, n)] = v
         out.update({n: v.detach() for n, v in train.items()})
+        out.update({n: frozen[n].detach() for n in changed})
         return out
+
+    @contextmanager
+    def _functional_batchnorm(self, batchnorm: FunctionalBatchNorm | None) -> Iterator[None]:
+        """A phase with per-client BatchNorm statistics (``batchnorm`` installed on the network), or without."""
+        if batchnorm is None:
+            yield
+            return
+        self._batchnorm = batchnorm
+        try:
+            with batchnorm:
+                yield
+        finally:
+            self._batchnorm = None
+
+    def _collect(self, values: Tensor, y: Tensor, weight: Tensor) -> None:
+        """Add a step's per-sample ``values`` ``[K, B, D]`` (rows weighted by ``weight``: the real rows of the
+        clients in their last epoch) to ``class_sums_seen`` by class."""
+        sums, counts = self.class_sums_seen
+        onehot = F.one_hot(y, sums.shape[1]).to(values.dtype) * weight.to(values.dtype)[..., None]  # [K, B, C]
+        self.class_sums_seen = (
+            sums.to(values.dtype) + torch.einsum("kbc,kbd->kcd", onehot, values.detach()),
+            counts.to(values.dtype) + onehot.sum(1),
+        )
 
     def _feature_batches(
         self, body: Params, shared: bool, rows: Tensor, draws: Tensor | None
@@ -691,7 +784,8 @@ class VectorizedContext:
         pdata: Params,
     ) -> tuple[Params, Tensor]:
         """Every client's gradient from one batched forward (``stacked_forward``) and ordinary autograd on the
-        sum of the client losses (each client's loss depends only on its own parameters)."""
+        sum of the client losses (each client's loss depends only on its own parameters); a penalty with a
+        closed-form gradient adds it without autograd."""
         with torch.enable_grad():
             leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
             full = {**frozen, **leaves}
@@ -699,104 +793,146 @@ class VectorizedContext:
             out = stacked_forward(module, local, x)
             per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
             losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
-            if penalty is not None:
+            closed = penalty is not None and penalty.gradient is not None
+            if penalty is not None and not closed:
                 losses = losses + vmap(penalty.fn)(full, pdata)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-        return {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}, losses
+        grads = {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}
+        if closed:
+            with torch.no_grad():
+                values = {**frozen, **train}
+                extra = vmap(lambda p, d: penalty_gradient(penalty, p, list(train), d))(values, pdata)
+                grads = {n: g + extra[n] if n in extra else g for n, g in grads.items()}
+                losses = losses.detach() + vmap(penalty.fn)(values, pdata)
+        return grads, losses
 
     def _vmapped_step(
-        self, module: nn.Module, names: dict[str, str], penalty: Penalty | None, gradient: Gradient | None
+        self, module: nn.Module, names: dict[str, str], phase: _Phase, batchnorm: FunctionalBatchNorm | None
     ) -> Callable:
-        """``vmap`` over clients of one client's (gradient, loss) on its padded minibatch."""
+        """``vmap`` over clients of one client's (gradient, loss, values set) on its padded minibatch: the network's
+        loss or the phase's ``Objective``, plus its ``Penalty``, or its ``Gradient``; BatchNorm statistics of the
+        client's own batch (``FunctionalBatchNorm``), returned among the values the step sets."""
+        penalty, gradient, objective = phase.penalty, phase.gradient, phase.objective
 
-        def client_step(p: Params, fz: Params, x: Tensor, y: Tensor, m: Tensor, side: Tensor | None, pd: Params):
+        def minibatch_loss(full: Params, x: Tensor, y: Tensor, m: Tensor, od: Params) -> tuple[Tensor, Params]:
+            """(the loss, {"logged": the reported value, "values": the per-sample values to collect} as present)."""
+            if objective is None:
+                return self._masked_loss(module, names, full, x, y, m), {}
+            per, logged, *values = objective.losses(full, x, y, od)
+            aux = {} if logged is per else {"logged": masked_mean(logged, m).detach()}
+            if values and objective.collect is not None:
+                aux["values"] = values[0].detach()
+            return masked_mean(per, m), aux
+
+        def client_step(p: Params, fz: Params, x: Tensor, y: Tensor, m: Tensor, side: Tensor | None, pd: Params,
+                        od: Params):  # fmt: skip
             self._side = side
+            if batchnorm is not None:
+                batchnorm.begin(m)
             try:
+                sets: Params = {}
+                aux: Params = {}
                 if gradient is None:
+                    closed = penalty is not None and penalty.gradient is not None
 
-                    def loss_of(q: Params) -> Tensor:
+                    def loss_of(q: Params) -> tuple[Tensor, Params]:
                         full = {**fz, **q}
-                        loss = self._masked_loss(module, names, full, x, y, m)
-                        return loss if penalty is None else loss + penalty.fn(full, pd)
+                        loss, aux = minibatch_loss(full, x, y, m, od)
+                        if penalty is not None and not closed:
+                            loss = loss + penalty.fn(full, pd)
+                        return loss, aux
 
-                    return grad_and_value(loss_of)(p)
-                g, loss = gradient({**fz, **p}, x, y, m)
-                g = {n: g[n] for n in p}
-                if penalty is not None:
-                    extra = grad(lambda q: penalty.fn({**fz, **q}, pd))(p)
-                    g = {n: g[n] + extra[n] for n in p}
-                return g, loss
+                    g, (loss, aux) = grad_and_value(loss_of, has_aux=True)(p)
+                    if closed:
+                        full = {**fz, **p}
+                        extra = penalty_gradient(penalty, full, list(p), pd)
+                        g = {n: g[n] + extra[n] if n in extra else g[n] for n in p}
+                        loss = loss + penalty.fn(full, pd)
+                    loss = aux.pop("logged", loss)
+                else:
+                    full = {**fz, **p}
+                    g, loss, *rest = gradient(full, x, y, m)
+                    g = {n: g[n] for n in p}
+                    if penalty is not None:
+                        extra = penalty_gradient(penalty, full, list(p), pd)
+                        g = {n: g[n] + extra[n] if n in extra else g[n] for n in p}
+                    sets.update(rest[0] if rest else {})
+                if batchnorm is not None:
+                    sets.update(batchnorm.updates(fz))
+                return g, loss, sets, aux
             finally:
                 self._side = None
 
-        def step(p, fz, x, y, m, sides, pd):
-            dims = (0, 0, 0, 0, 0, None if sides is None else 0, 0)
-            return vmap(client_step, in_dims=dims)(p, fz, x, y, m, sides, pd)
+        def step(p, fz, x, y, m, sides, pd, od):
+            dims = (0, 0, 0, 0, 0, None if sides is None else 0, 0, 0)
+            return vmap(client_step, in_dims=dims)(p, fz, x, y, m, sides, pd, od)
 
         return step
 
-    def _sgd_in_turn(
-        self,
-        out: Params,
-        trainable: list[str],
-        epochs: int,
-        penalty: Penalty | None,
-        lr: float,
-        max_steps: int | None,
-        bs: int,
-        min_batch: int,
-    ) -> Params:
+    def _sgd_in_turn(self, out: Params, phase: _Phase) -> Params:
         """Client by client with plain autograd (``CONV_CLIENTS``: the CPU's convolutional phases):
         ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
-        builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward``, without a
-        context or a batch generator per client."""
-        plan = self._plan(epochs, bs, min_batch, max_steps)
+        builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward`` (or the
+        phase's ``Objective``), without a context or a batch generator per client. Each client's buffers are its
+        own copies (BatchNorm updates them in place, as in the loop)."""
+        plan = self._plan(phase.epochs, phase.bs, phase.min_batch, phase.max_steps)
         data_x, data_y = self.data
-        trained: dict[str, list[Tensor]] = {n: [] for n in trainable}
-        losses = []
+        trainable, penalty, objective = phase.trainable, phase.penalty, phase.objective
+        buffers = [n for n in out if n not in trainable and n in self.buffer_names]
+        trained: dict[str, list[Tensor]] = {n: [] for n in [*trainable, *buffers]}
+        losses, collected = [], []
         for k in range(self.num_clients):
             params = {n: _channels_last(v[k]) for n, v in out.items()}
+            params.update({n: out[n][k].clone() for n in buffers})
             leaves = {n: _channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
             params.update(leaves)
-            opt = self.optimizer.build(leaves, lr, fused=self.device.type == "cpu")
+            opt = self.optimizer.build(leaves, phase.lr, fused=self.device.type == "cpu")
             pdata = None if penalty is None else unstack(penalty.data, k)
+            odata = None if objective is None else unstack(objective.data, k)
             loss_sum = torch.zeros((), device=self.device)
+            seen = None
             for s, length in enumerate(plan.lengths[k]):
                 rows = plan.rows[s, k, :length]
                 x = data_x[rows]
                 if plan.draws is not None:
                     x = self.augment.apply(x, plan.draws[s, k, :length])
                 opt.zero_grad(set_to_none=True)
-                out_k = sequential_forward(self.net, params, _channels_last(x))
-                loss = self.per_sample_loss(out_k, data_y[rows]).mean()
-                if penalty is not None:
-                    loss = loss + penalty.fn(params, pdata)
-                loss.backward()
+                logged = None
+                if objective is None:
+                    loss = self.per_sample_loss(sequential_forward(self.net, params, _channels_last(x)), data_y[rows])
+                    loss = loss.mean()
+                else:
+                    per, per_logged, *values = objective.losses(params, _channels_last(x), data_y[rows], odata)
+                    loss, logged = per.mean(), None if per_logged is per else per_logged.mean()
+                    if objective.collect is not None and s >= plan.host_last_epoch[k]:
+                        if seen is None:
+                            seen = empty_class_sums(objective.collect, self.device, values[0].dtype)
+                        class_sum_step(seen, values[0], data_y[rows])
+                loss = ClientContext._backward(loss, None if penalty is None else Penalty(
+                    penalty.fn, pdata, penalty.gradient), params, leaves)  # fmt: skip
                 opt.step()
-                loss_sum = loss_sum + loss.detach()
+                loss_sum = loss_sum + (loss if logged is None else logged).detach()
             losses.append(loss_sum / max(plan.host_steps[k], 1))
-            for n in trainable:
-                trained[n].append(leaves[n].detach())
+            if seen is not None:
+                collected.append(seen)
+            for n in trained:
+                trained[n].append((leaves if n in leaves else params)[n].detach())
         self.train_loss = torch.stack(losses)
         self.steps_taken = plan.steps
+        if objective is not None and objective.collect is not None:
+            empty = empty_class_sums(objective.collect, self.device)
+            seen_k = iter(collected)
+            rows = [next(seen_k) if plan.host_steps[k] else empty for k in range(self.num_clients)]
+            self.class_sums_seen = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
         out.update({n: torch.stack(v).contiguous() for n, v in trained.items()})
         return out
 
-    def _sgd_client_by_client(
-        self,
-        params: Params,
-        trainable: Sequence[str],
-        epochs: int,
-        penalty: Penalty | None,
-        lr: float | None,
-        max_steps: int | None,
-        gradient: Gradient | None,
-        bs: int,
-        min_batch: int,
-    ) -> Params:
+    def _sgd_client_by_client(self, params: Params, phase: _Phase) -> Params:
         """Each client in turn with ``ClientContext.sgd`` (the reference, on the same generators: the same
-        batches), conv inputs in ``channels_last``; no reads from the device."""
-        results, losses, steps, kept = [], [], [], []
+        batches), conv inputs in ``channels_last``; no reads from the device. The phase's functions, written against
+        this context, see each client's side vector."""
+        results, losses, steps, kept, seen = [], [], [], [], []
+        penalty, objective, gradient = phase.penalty, phase.objective, phase.gradient
         for k, client in enumerate(self.clients):
             ctx = ClientContext(
                 self.net,
@@ -814,33 +950,61 @@ class VectorizedContext:
                 channels_last=True,
             )
             ctx.optimizer_state = None if self.optimizer_state is None else unstack(self.optimizer_state, k)
-            mine = None if penalty is None else Penalty(penalty.fn, unstack(penalty.data, k))
-            step_gradient = None
-            if gradient is not None:
-                step_gradient = self._client_gradient(gradient, ctx)
+            mine = None if penalty is None else Penalty(penalty.fn, unstack(penalty.data, k), penalty.gradient)
+            own = None
+            if objective is not None:
+                own = Objective(self._as_client(objective.fn, ctx), unstack(objective.data, k), objective.collect)
+            self._side = ctx.side  # for functions called outside the phase's steps
             results.append(
                 ctx.sgd(
-                    unstack(params, k), trainable, epochs, mine, lr, max_steps,
-                    gradient=step_gradient, batch_size=bs, min_batch=min_batch,
+                    unstack(params, k), phase.trainable, phase.epochs, mine, phase.lr, phase.max_steps,
+                    gradient=None if gradient is None else self._as_client(gradient, ctx),
+                    batch_size=phase.bs, min_batch=phase.min_batch, objective=own,
                 )
             )  # fmt: skip
+            self._side = None
             losses.append(torch.as_tensor(ctx.train_loss, device=self.device))
             steps.append(ctx.steps_taken)
             kept.append(ctx.optimizer_state)
+            seen.append(ctx.class_sums_seen)
         self.train_loss = torch.stack(losses).to(self.device)
         self.steps_taken = torch.stack(steps).to(self.device)
         if self.optimizer_state is not None:
             self.optimizer_state = stack(kept)
+        if objective is not None and objective.collect is not None:
+            self.class_sums_seen = (torch.stack([t[0] for t in seen]), torch.stack([t[1] for t in seen]))
         return {n: v.contiguous() for n, v in stack(results).items()}
 
-    def _client_gradient(self, gradient: Gradient, ctx: ClientContext) -> Gradient:
-        """A ``Gradient`` written against this context (``self.batch_loss``), run for one client's context."""
+    def _as_client(self, fn: Callable, ctx: ClientContext) -> Callable:
+        """A function written against this context (``self.batch_loss``, ``self.side_for``) run for one client's
+        context: this context's side vector and BatchNorm handling are that client's while it runs."""
 
-        def one(params: Params, x: Tensor, y: Tensor, mask: Tensor) -> tuple[Params, Tensor]:
-            self._side = ctx.side
+        def one(*args: object) -> object:
+            self._side, self._batchnorm = ctx.side, ctx._batchnorm  # BatchNorm as that context runs it
             try:
-                return gradient(params, x, y, mask)
+                return fn(*args)
             finally:
-                self._side = None
+                self._side, self._batchnorm = None, None
 
         return one
+
+
+@dataclass
+class _Phase:
+    """One ``sgd`` call's arguments."""
+
+    trainable: list[str]
+    epochs: int
+    penalty: Penalty | None
+    lr: float
+    max_steps: MaxSteps
+    gradient: Gradient | None
+    bs: int
+    min_batch: int
+    objective: Objective | None
+
+
+def masked_mean(per: Tensor, mask: Tensor) -> Tensor:
+    """The mean of per-sample values over the real rows of a padded batch (padding rows never enter, even when
+    their value is not finite)."""
+    return torch.where(mask > 0, per, 0.0).sum() / mask.sum().clamp(min=1)

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedProto
-from fl_lightning.client import ClientOptimizer
+from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
@@ -42,9 +42,9 @@ def fedproto_reference(run, lam, epochs, count_weighted=True):
         local = []  # (prototypes, counts) per client
         for c in cohort:
             x, y = run.data[c]
-            fedproto_train(models[c], x, y, prototypes, known, lam, epochs)
-            with torch.no_grad():
-                z = models[c].body(x)
+            seen = []
+            fedproto_train(models[c], x, y, prototypes, known, lam, epochs, seen)
+            z = seen[-1]  # the prototypes: features of the last epoch's training pass (Algorithm 1)
             counts = torch.tensor([float((y == j).sum()) for j in range(classes)])
             means = torch.stack([z[y == j].mean(0) if counts[j] else torch.zeros(dim) for j in range(classes)])
             local.append((means, counts))
@@ -182,9 +182,9 @@ def np_objective(p: dict[str, Tensor], x: Tensor, y: Tensor, side: np.ndarray, k
 def test_objective_passes_the_client_side_information_per_sample() -> None:
     p, (x, y) = weights(), inputs(4)
     s = torch.tensor([0.75, -0.5], dtype=torch.float64)  # the client's side vector, one per sample in the batch
-    ctx = client_context(network(True), x, y, side=s, loss=F.cross_entropy, generator=make_generator(0, "proto"))
+    ctx = ClientContext(network(True), 0, x, y, s, ClientOptimizer(), F.cross_entropy, make_generator(0, "proto"))
     alg = with_prototypes([3.0, 0.0, 1.0], lam=0.7)
-    got = alg.objective(ctx)(p, x, y)
+    got = alg.objective(ctx).losses(p, x, y)[0].mean()  # the minibatch loss: the mean of the per-sample losses
     known = np.array([1.0, 0.0, 1.0])
     assert_close_finite(got, np_objective(p, x, y, SIDE_SCALE * s.numpy()[None, :], known, 0.7))
 
@@ -192,13 +192,12 @@ def test_objective_passes_the_client_side_information_per_sample() -> None:
 @pytest.mark.parametrize("lam", [0.0, 1.3])
 def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: float) -> None:
     """One epoch of one minibatch holding all 5 samples: the reported loss is the objective at the start (the mean
-    over the batch does not depend on the shuffle); the first momentum-SGD step is −lr·∇."""
+    over the batch does not depend on the shuffle); the first momentum-SGD step is −lr·∇; the uploaded class sums
+    are of the features that step computed."""
     p, (x, y) = weights(), inputs(5)  # labels 0, 2, 2, 1, 0
     lr = 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
-    ctx = client_context(
-        network(False), x, y, optimizer=opt, loss=F.cross_entropy, generator=make_generator(1, "proto"),
-    )
+    ctx = ClientContext(network(False), 0, x, y, None, opt, F.cross_entropy, make_generator(1, "proto"))
     alg = with_prototypes([1.0, 0.0, 4.0], lam=lam)
     known = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     up = alg.client_update(ctx, p, alg.init_client_state(p))
@@ -217,10 +216,10 @@ def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: f
     assert sorted(up.state) == sorted(p)
     for n in p:
         assert_close_finite(up.state[n], new[n])
-    f_new = np_features(new, x)
+    f_seen = np_features(p, x)  # the prototypes come from the training pass's features (before its one step)
     sums = np.zeros((C, H))
     for i, label in enumerate(y.tolist()):
-        sums[label] += f_new[i]
+        sums[label] += f_seen[i]
     assert_close_finite(up.upload["class_feature_sums"], sums)
     assert_close_finite(up.upload["class_counts"], np.array([2.0, 1.0, 2.0]))
     assert up.num_samples == 5

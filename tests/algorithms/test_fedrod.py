@@ -326,12 +326,10 @@ def test_fedrod_refuses_a_regression_task():
     glob = {n: p.detach().clone() for n, p in net.named_parameters()}
     algo = FedRoD()
     algo.setup(glob, 2)
-    x, _, _ = client_data()
-    opt = ClientOptimizer(lr=LR_2, momentum=MOM, batch_size=3)
-    ctx = client_context(net, x, torch.zeros(7), optimizer=opt, loss=F.mse_loss)
     message = r"^FedRoD is a classification method \(balanced softmax over classes\); the task has none$"
-    with pytest.raises(ConfigError, match=message):
-        algo.client_update(ctx, glob, algo.init_client_state(glob))
+    with pytest.raises(ConfigError, match=message):  # checked before set-up (num_classes None: regression)
+        algo.check_compatible(net, None)
+    algo.check_compatible(net, 3)
 
 
 class BodyHead(nn.Module):

@@ -165,12 +165,16 @@ def test_kept_momentum_continues_and_is_saved():
 def test_rounds_for_full_straggler_and_empty_clients():
     algo = PFedMe(local_steps=4)
     x, y, _ = data()
-    assert algo.rounds_for(context(x, y, 1.0)) == 4
-    assert algo.rounds_for(context(x, y, 1.5)) == 4  # a budget ≥ 1 is a full client (as ``step_limit``)
-    assert algo.rounds_for(context(x, y, 0.5)) == 2  # ⌊0.5·4⌋
-    assert algo.rounds_for(context(x, y, 0.05)) == 1  # at least one
-    assert algo.rounds_for(context(x[:1], y[:1])) == 4
-    assert algo.rounds_for(context(x[:0], y[:0])) == 0
+
+    def rounds(ctx: ClientContext) -> int:
+        return algo.rounds_for(ctx.num_samples, ctx.step_budget)
+
+    assert rounds(context(x, y, 1.0)) == 4
+    assert rounds(context(x, y, 1.5)) == 4  # a budget ≥ 1 is a full client (as ``step_limit``)
+    assert rounds(context(x, y, 0.5)) == 2  # ⌊0.5·4⌋
+    assert rounds(context(x, y, 0.05)) == 1  # at least one
+    assert rounds(context(x[:1], y[:1])) == 4
+    assert rounds(context(x[:0], y[:0])) == 0
 
 
 def test_client_model_is_the_personal_model():

@@ -1237,7 +1237,8 @@ def test_custom_gradient_gets_unit_weights_on_the_batch_device() -> None:
         a = torch.tensor([1.0, -3.0], device=device)
         leaf = a.clone().requires_grad_(True)
         x, y = torch.zeros(3, 2, device=device), torch.zeros(3, device=device)
-        loss = ClientContext._set_gradient(SimpleNamespace(), gradient, None, {"a": a}, {"a": leaf}, x, y)  # type: ignore[arg-type]
+        ctx = SimpleNamespace(net=nn.Identity())  # a network without BatchNorm layers
+        loss = ClientContext._set_gradient(ctx, gradient, None, {"a": a}, {"a": leaf}, x, y)  # type: ignore[arg-type]
         assert seen[-1].device.type == device and seen[-1].shape == (3,)
         assert leaf.grad is not None and leaf.grad.device.type == device
         if device == "cpu":
