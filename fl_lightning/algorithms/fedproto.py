@@ -4,9 +4,12 @@ Every client's whole model is personal (``body.`` and ``head.`` stay in the clie
 on client i is the mean body representation of its training samples of that class (§"Problem Setting"):
 C_i^(j) = (1/|D_ij|) Σ_{(x,y) ∈ D_ij} φ_i(x). A sampled client
 
-1. trains its model for ``local_epochs`` epochs of local SGD on CE(F_i(x), y) + λ‖φ_i(x) − C̄^(y)‖²₂ (the local
-   loss, §"Local Model Update" and Appendix B's per-sample form), where C̄^(y) is the global prototype of the
-   sample's class; samples of a class without a global prototype yet get the CE term only;
+1. trains its model for ``local_epochs`` epochs of local SGD on CE(F_i(x), y) + λ·MSE(φ_i(x), C̄^(y)) (the local
+   loss, §"Local Model Update"), where C̄^(y) is the global prototype of the sample's class and MSE is the
+   authors' ``nn.MSELoss()``: the mean over the batch AND the d features (``lib/update.py``,
+   ``LocalUpdate.update_weights_het`` of github.com/yuetan031/FedProto, ``loss = loss1 + loss2 * args.ld``).
+   A sample of a class without a global prototype contributes a zero distance but still counts in the mean (the
+   authors copy its own feature into the target);
 2. computes its prototypes with the trained body and uploads them with its per-class counts |D_ij|.
 
 The server averages per class, weighted by the counts: C̄^(j) = Σ_i |D_ij| C_i^(j) / Σ_i |D_ij| (§"Global
@@ -21,8 +24,10 @@ How it crosses the boundary: a client uploads ``class_feature_sums`` = |D_ij|·C
 count-weighted mean exactly; hence ``model.aggregation: uniform`` is required (checked). Classes that no client
 of a round holds keep their previous global prototype (the paper samples every client each round).
 
-Choices: λ = 1 (the paper's MNIST/FEMNIST value, Appendix A; 0.1 on CIFAR-10); the representation is the
-``SplitModel`` body's output; the distance is the squared L2 norm summed over features, averaged over the batch.
+Choices: λ = 1 (``--ld`` default of the authors' ``lib/options.py``; the paper's MNIST/FEMNIST value, Appendix A;
+0.1 on CIFAR-10), in the authors' unit: the squared distance is averaged over features and batch, so our λ = 1 is
+their λ = 1 (before issue 31 the distance was summed over features, i.e. d× theirs). The representation is the
+``SplitModel`` body's output.
 """
 
 from __future__ import annotations
@@ -95,12 +100,13 @@ class FedProto(Algorithm):
 
     # -- client --------------------------------------------------------------------------------------------
     def objective(self, ctx: ClientContext) -> BatchLoss:
-        """CE(F(x), y) + λ‖φ(x) − C̄^(y)‖²₂, the regulariser only for samples whose class has a global prototype."""
+        """CE(F(x), y) + λ·mean_{b,k} (φ(x_b)_k − C̄^(y_b)_k)² (``nn.MSELoss``: mean over batch and features), the
+        distance zero for samples whose class has no global prototype (they still count in the mean)."""
         prototypes, known = self.global_prototypes.detach(), self.known
 
         def loss(params: Params, x: Tensor, y: Tensor) -> Tensor:
             features, out = features_and_outputs(ctx.net, params, x, ctx.side_for(x.shape[0]))
-            distance = ((features - prototypes[y]) ** 2).sum(1) * known[y]
+            distance = ((features - prototypes[y]) ** 2).mean(1) * known[y]
             return ctx.loss_fn(out, y) + self.lam * distance.mean()
 
         return loss
