@@ -1,4 +1,4 @@
-"""MOON's and SCAFFOLD's constructor state: the paper's defaults (MOON §4.1 on CIFAR-10: μ = 5, τ = 0.5; one local
+"""MOON's and SCAFFOLD's constructor state: the authors' code defaults (MOON's main.py: μ = 1, τ = 0.5; one local
 epoch), MOON's one-line network error, and SCAFFOLD with no server variate before ``setup``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from fl_lightning.algorithms import MOON, SCAFFOLD
 from fl_lightning.errors import ConfigError
 
 
-def test_moon_defaults_are_the_cifar10_settings():
+def test_moon_defaults_are_the_authors_main_py_defaults():
     algo = MOON()
-    assert (algo.mu, algo.temperature, algo.local_epochs) == (5.0, 0.5, 1)
+    assert (algo.mu, algo.temperature, algo.local_epochs) == (1.0, 0.5, 1)
 
 
 def test_moon_refuses_a_network_without_body_and_says_why():
