@@ -1,0 +1,131 @@
+"""Each algorithm's convention pinned to its authors' code (issue 31): the reductions of the local objective, the
+hyper-parameter defaults in the authors' units. The references are written here from the authors' formulas (their
+file is named in each test), never from our code."""
+
+from __future__ import annotations
+
+import torch
+from helpers import assert_close_finite
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fl_lightning.algorithms import MOON, FedProto
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.models.split import SplitModel
+
+IN, FEAT, CLASSES, BATCH = 5, 8, 4, 6
+
+
+def split_net() -> SplitModel:
+    torch.manual_seed(3)
+    return SplitModel(nn.Sequential(nn.Linear(IN, FEAT), nn.ReLU()), nn.Linear(FEAT, CLASSES)).double()
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(BATCH, IN, generator=g, dtype=torch.float64), torch.tensor([0, 1, 3, 3, 0, 2])
+
+
+def params_of(net: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters()}
+
+
+def context(net: nn.Module, x: Tensor, y: Tensor) -> ClientContext:
+    return ClientContext(net, 0, x, y, None, ClientOptimizer(), F.cross_entropy, make_generator(0, "conv"))
+
+
+# ---- FedProto: yuetan031/FedProto lib/update.py, LocalUpdate.update_weights_het ---------------------------------
+def fedproto_authors_loss(net: SplitModel, x: Tensor, y: Tensor, global_protos: dict[int, Tensor], ld: float) -> Tensor:
+    """Their loop: proto_new = protos.data with the global prototype put in the rows of known labels, then
+    loss1 + ld · nn.MSELoss()(proto_new, protos); the MSE written out as Σ(·)² / (batch · features)."""
+    protos = net.body(x)
+    loss1 = F.cross_entropy(net.head(protos), y)
+    proto_new = protos.detach().clone()
+    for i, label in enumerate(y.tolist()):
+        if label in global_protos:
+            proto_new[i, :] = global_protos[label]
+    loss2 = ((proto_new - protos) ** 2).sum() / (protos.shape[0] * protos.shape[1])
+    assert torch.allclose(loss2, nn.MSELoss()(proto_new, protos))  # the by-hand mean is torch's default reduction
+    return loss1 + loss2 * ld
+
+
+def test_fedproto_lambda_is_the_authors_ld_mse_over_batch_and_features() -> None:
+    net, (x, y) = split_net(), batch()
+    g = torch.Generator().manual_seed(1)
+    prototypes = torch.randn(CLASSES, FEAT, generator=g, dtype=torch.float64)
+    counts = torch.tensor([3.0, 0.0, 2.0, 5.0], dtype=torch.float64)  # class 1 has no global prototype yet
+    alg = FedProto(lam=1.0)
+    alg.global_prototypes, alg.prototype_counts = prototypes, counts
+    p = params_of(net)
+    ours = alg.objective(context(net, x, y))(p, x, y)
+    known = {j: prototypes[j] for j in range(CLASSES) if counts[j] > 0}
+    theirs = fedproto_authors_loss(net, x, y, known, ld=1.0)
+    assert_close_finite(ours.detach(), theirs.detach())
+    ours_grads = torch.autograd.grad(ours, list(p.values()))
+    theirs_grads = torch.autograd.grad(theirs, list(net.parameters()))
+    for a, b in zip(ours_grads, theirs_grads):
+        assert_close_finite(a, b)
+
+
+def test_fedproto_default_lambda_is_the_authors_ld() -> None:
+    assert FedProto().lam == 1.0  # lib/options.py: --ld default 1
+
+
+# ---- MOON: QinbinLi/MOON main.py, train_net_fedcon ---------------------------------------------------------------
+def moon_authors_loss(net: SplitModel, glob: SplitModel, prev: SplitModel, x: Tensor, y: Tensor, mu: float,
+                      temperature: float) -> Tensor:
+    """Their loop: logits = [cos(pro1, pro2), cos(pro1, pro3)] / τ, loss2 = mu · CE(logits, 0), loss1 = CE(out, y),
+    every CE the batch mean of nn.CrossEntropyLoss; written out here with exp/log."""
+    pro1 = net.body(x)
+    with torch.no_grad():
+        pro2, pro3 = glob.body(x), prev.body(x)
+
+    def cos(a: Tensor, b: Tensor) -> Tensor:
+        return (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-8)
+
+    logits = torch.stack([cos(pro1, pro2), cos(pro1, pro3)], 1) / temperature
+    loss2 = mu * (-(logits[:, 0] - torch.log(torch.exp(logits).sum(1)))).mean()
+    out = net.head(pro1)
+    loss1 = (-(out[torch.arange(len(y)), y] - torch.log(torch.exp(out).sum(1)))).mean()
+    return loss1 + loss2
+
+
+def perturbed(net: SplitModel, seed: int) -> SplitModel:
+    other = split_net()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
+
+
+def test_moon_objective_is_the_authors_batch_mean_contrastive_cross_entropy() -> None:
+    net, (x, y) = split_net(), batch()
+    glob, prev = perturbed(net, 1), perturbed(net, 2)
+    mu, temperature = 2.5, 0.3
+    alg = MOON(mu=mu, temperature=temperature)
+    p = params_of(net)
+    g_params = {n: t.detach() for n, t in glob.named_parameters()}
+    prev_params = {n: t.detach() for n, t in prev.named_parameters()}
+    ours = alg.objective(context(net, x, y), g_params, prev_params)(p, x, y)
+    theirs = moon_authors_loss(net, glob, prev, x, y, mu, temperature)
+    assert_close_finite(ours.detach(), theirs.detach())
+    for a, b in zip(torch.autograd.grad(ours, list(p.values())), torch.autograd.grad(theirs, list(net.parameters()))):
+        assert_close_finite(a, b)
+
+
+def test_moon_defaults_are_the_authors_main_py_defaults() -> None:
+    alg = MOON()
+    assert (alg.mu, alg.temperature) == (1.0, 0.5)  # main.py: --mu default 1, --temperature default 0.5
+
+
+# ---- FedBABU: jhoon-oh/FedBABU analysis.ipynb (personalisation), models/Update.py, main_fed.py --------------------
+def test_fedbabu_configs_fine_tune_the_whole_model_for_five_epochs_as_the_authors_notebook() -> None:
+    """analysis.ipynb: personalization_epoch = 5; one SGD optimizer over body_params and head_params at one lr."""
+    import yaml
+
+    for path in ("configs/digits/fedbabu.yaml", "configs/methods/fedbabu.yaml"):
+        model = yaml.safe_load(open(path))["model"]
+        for key in ("finetune", "new_client_finetune"):
+            assert model[key] == {"epochs": 5, "prefixes": [""]}, (path, key)
