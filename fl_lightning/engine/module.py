@@ -39,6 +39,7 @@ from fl_lightning.client import (
     LRSchedulerCallable,
     OptimizerCallable,
     Params,
+    has_batchnorm1d,
     loss_fn_for,
     select,
     split_state,
@@ -105,6 +106,9 @@ class FederatedModule(L.LightningModule):
             ``FedAdagrad`` in ``fl_lightning.server_optimizers``, any ``torch.optim`` class; ``configs/server/``);
             it then replaces ``server_lr`` and ``server_momentum``. ``LearningRateMonitor`` logs ``lr/server`` and
             ``lr/client``.
+        drop_last: skip every client minibatch of fewer than ``batch_size`` samples in local training and
+            fine-tuning (``DataLoader(drop_last=True)``, as e.g. the FedProto authors' code); off, every sample
+            trains, except that a 1-sample minibatch of a ``BatchNorm1d`` network is skipped (said once).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -133,6 +137,7 @@ class FederatedModule(L.LightningModule):
         keep_client_optimizer_state: bool = False,
         server_optimizer: OptimizerCallable | None = None,
         server_lr_schedule: LRSchedulerCallable | None = None,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         for name, value in {
@@ -157,8 +162,13 @@ class FederatedModule(L.LightningModule):
         self._fallback_logged = False
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
+        if batch_size < 2 and has_batchnorm1d(network):
+            raise ConfigError(
+                f"model.batch_size {batch_size} with a BatchNorm1d network: BatchNorm cannot train on one sample; "
+                "use a batch size of at least 2"
+            )
         self.client_optimizer = ClientOptimizer.from_config(
-            client_optimizer, lr, momentum, weight_decay, batch_size, decay_bias
+            client_optimizer, lr, momentum, weight_decay, batch_size, decay_bias, drop_last
         )
         self.round_optimizers = RoundOptimizers(
             self.client_optimizer, server_optimizer, server_lr, server_momentum, server_lr_schedule, client_lr_schedule

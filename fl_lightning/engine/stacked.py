@@ -520,7 +520,7 @@ class VectorizedContext:
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
-        min_batch: int = 1,
+        min_batch: int | None = None,
     ) -> Params:
         """``ClientContext.sgd`` for every client at once (same batches, same steps, same result). Parameters it
         does not train are returned as given (not copied)."""
@@ -533,6 +533,7 @@ class VectorizedContext:
         rule = batched_rule(self.optimizer)
         trainable = list(trainable)
         bs = batch_size or self.optimizer.batch_size
+        min_batch = self.optimizer.min_batch(bs) if min_batch is None else min_batch  # model.drop_last
         args = (out, trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch)
         if rule is None:
             name = factory_name(self.optimizer.factory)
