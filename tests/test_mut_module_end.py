@@ -189,7 +189,8 @@ def test_summary_leaves_out_a_stale_final_spread() -> None:
     assert module.summary["final"] == 0.60
 
 
-def test_summary_with_finetune_leads_with_the_finetuned_result() -> None:
+def test_summary_with_finetune_keeps_the_plain_and_finetuned_figures_apart() -> None:
+    """Issue 31: final/last10/best and final_{std,worst10,min} stay the plain run's; "+FT" is final_ft(_*)."""
     ft_acc = [1.0, 0.5, 0.5, 1.0]
     ft = last_evaluation(5, acc=ft_acc)
     module = make_module(finetune=FineTune(epochs=1), eval_last=2)
@@ -208,13 +209,16 @@ def test_summary_with_finetune_leads_with_the_finetuned_result() -> None:
     module.on_train_end()
     s = module.summary
     assert s["algorithm"] == "FedAvg+FT"
-    assert s["plain_final"] == 0.60
-    assert_close_finite(s["plain_last10"], (0.50 + 0.60) / 2)
-    assert s["final"] == s["last10"] == s["final_ft"] == 0.875
+    assert s["final"] == 0.60 and s["best"] == 0.80
+    assert_close_finite(s["last10"], (0.50 + 0.60) / 2)
+    assert s["final_ft"] == 0.875
+    assert "plain_final" not in s and "plain_last10" not in s
     assert s["new_clients_acc"] == 0.625
     assert module.final_clients is ft
-    assert_close_finite(s["final_std"], population_std(ft_acc))
-    assert s["final_min"] == 0.5
+    assert_close_finite(s["final_std"], population_std(ACC))  # the plain last evaluation's clients
+    assert s["final_min"] == 0.25
+    assert_close_finite(s["final_ft_std"], population_std(ft_acc))  # the fine-tuned clients
+    assert s["final_ft_min"] == 0.5
     assert logger.log_metrics.calls == [((end,), {"step": 5})]
 
 

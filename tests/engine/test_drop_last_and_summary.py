@@ -1,6 +1,8 @@
-"""``model.drop_last`` (issue 31): the clients' local SGD skips every partial minibatch, in both executors; a
+"""Issue 31. ``model.drop_last``: the clients' local SGD skips every partial minibatch, in both executors; a
 BatchNorm1d network runs on a partition with 1-sample remainders (drop_last on: those batches are dropped; off:
-the 1-sample batch is skipped and the run says so once; batch size 1 is refused with one line)."""
+the 1-sample batch is skipped and the run says so once; batch size 1 is refused with one line). The summary keeps
+plain and "+FT" figures under separate names, and the report gives the "+FT" ones their own columns and flags
+collapsed runs and methods below Local-only."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from datamodules import DigitsDataModule, Shards
 from fl_lightning import client
 from fl_lightning.algorithms import FedAvg, FedBN
 from fl_lightning.client import ClientContext, ClientOptimizer
-from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.collect import RunResult
+from fl_lightning.experiment.report import at_chance, make_table, results_records
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
+from fl_lightning.results import reported_figure
 
 
 # ---- one client's local SGD -----------------------------------------------------------------------------------------
@@ -129,3 +134,80 @@ def test_fedbn_with_batchnorm1d_trains_on_one_sample_remainders(drop_last: bool,
 def test_batch_size_one_with_batchnorm1d_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"^model.batch_size 1 with a BatchNorm1d network: .*at least 2$"):
         FederatedModule(FedBN(), BNMLP(), batch_size=1)
+
+
+# ---- summary.json: plain and "+FT" under separate names --------------------------------------------------------------
+def test_summary_keeps_the_plain_figures_plain_with_finetune() -> None:
+    """final/last10/best come from the per-round validation history (plain); final_ft is the "+FT" evaluation."""
+    torch.manual_seed(0)
+    module = FederatedModule(
+        FedAvg(1), DigitsMLP(hidden=(16,)), lr=0.05, batch_size=40, eval_every=1, eval_last=2,
+        finetune=FineTune(epochs=3),
+    )  # fmt: skip
+    make_trainer(3).fit(module, datamodule=digits())
+    s, accs = module.summary, [h["val/acc_mean"] for h in module.history]
+    assert s["algorithm"] == "FedAvg+FT" and s["classes"] == 10
+    assert s["final"] == accs[-1] and s["best"] == max(accs)
+    assert s["last10"] == pytest.approx(sum(accs[-2:]) / 2)
+    ft = module.finetuned_clients
+    assert s["final_ft"] == pytest.approx(float(ft.acc_per_client.mean()))  # 5 clients, all with test data
+    assert s["final_ft"] != s["final"] and s["final_ft_min"] == pytest.approx(float(ft.acc_per_client.min()))
+    assert s["final_min"] == pytest.approx(float(module.last_evaluation.acc_per_client.min()))
+    assert "plain_final" not in s and "plain_last10" not in s
+
+
+def run(method: str, seed: int, algorithm: str, **summary: float) -> RunResult:
+    return RunResult("exp", {"method": method}, seed, {"algorithm": algorithm, "metric": "acc", **summary})
+
+
+def test_report_puts_finetuned_figures_in_their_own_columns() -> None:
+    runs = [
+        run("fedavg", 0, "FedAvg", last10=0.50, classes=10),
+        run("fedavg", 1, "FedAvg", last10=0.60, classes=10),
+        run("fedavg_ft", 0, "FedAvg+FT", last10=0.50, final_ft=0.90, classes=10),
+        run("fedavg_ft", 1, "FedAvg+FT", last10=0.60, final_ft=0.80, classes=10),
+    ]
+    table = make_table(runs, ["method"], ["last10"])
+    assert table.metrics == ["last10", "final_ft"]
+    rows = {labels[0]: cells for labels, cells, _ in table.rows}
+    assert rows["fedavg_ft"]["last10"].mean == pytest.approx(0.55)  # the plain run, as FedAvg's
+    assert rows["fedavg_ft"]["final_ft"].mean == pytest.approx(0.85)
+    assert rows["fedavg"]["final_ft"].values == []
+    text = table.formatted("md")
+    assert "| fedavg_ft | 55.00 ± 7.07" in text and "85.00 ± 7.07" in text
+    names = {(r["method"], r["metric"]) for r in results_records(runs) if r.get("seed") == 0}
+    assert ("fedavg_ft", "acc_last10") in names and ("fedavg_ft", "final_ft") in names
+    assert make_table(runs[:2], ["method"], ["last10"]).metrics == ["last10"]  # no "+FT" run, no extra column
+    assert reported_figure(runs[2].summary) == 0.90 and reported_figure(runs[0].summary) == 0.50
+
+
+# ---- collapse and below-Local-only flags ----------------------------------------------------------------------------
+def test_report_flags_runs_at_chance_and_methods_below_local_only() -> None:
+    runs = [
+        run("local", 0, "LocalOnly", last10=0.80, classes=10),
+        run("local", 1, "LocalOnly", last10=0.84, classes=10),
+        run("fedrep", 0, "FedRep", last10=0.95, classes=10),
+        run("fedavg", 0, "FedAvg", last10=0.70, classes=10),
+        run("moon", 0, "MOON", last10=0.11, classes=10),  # chance 0.10; 0.10 + 0.05·0.9 = 0.145
+        run("moon", 1, "MOON", last10=0.30, classes=10),
+    ]
+    table = make_table(runs, ["method"], ["last10"])
+    assert table.flags == {
+        ("fedavg",): "below Local-only (70.00 < 82.00)",
+        ("moon",): "at chance (1/2 runs); below Local-only (20.50 < 82.00)",
+    }
+    text = table.formatted("md")
+    assert "flags" in text.splitlines()[0]
+    moon = next(line for line in text.splitlines() if line.startswith("| moon"))
+    assert "at chance (1/2 runs)" in moon and moon.rstrip(" |").endswith("2")
+    assert "flags" in table.formatted("csv").splitlines()[0]
+    assert not make_table(runs[:3], ["method"], ["last10"]).flags  # nothing wrong: no flags column
+    assert "flags" not in make_table(runs[:3], ["method"], ["last10"]).formatted("md").splitlines()[0]
+
+
+def test_at_chance_threshold_scales_with_the_number_of_classes() -> None:
+    assert at_chance(run("m", 0, "X", last10=0.52, classes=2))  # 0.5 + 0.05·0.5 = 0.525
+    assert not at_chance(run("m", 0, "X", last10=0.53, classes=2))
+    assert at_chance(run("m", 0, "X", last10=0.059, classes=100)) and not at_chance(run("m", 0, "X", last10=0.06,
+                                                                                          classes=100))
+    assert not at_chance(run("m", 0, "X", last10=0.01))  # the number of classes unknown: no claim
