@@ -9,7 +9,7 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.algorithms import MOON, FedProto
+from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
@@ -129,3 +129,91 @@ def test_fedbabu_configs_fine_tune_the_whole_model_for_five_epochs_as_the_author
         model = yaml.safe_load(open(path))["model"]
         for key in ("finetune", "new_client_finetune"):
             assert model[key] == {"epochs": 5, "prefixes": [""]}, (path, key)
+
+
+
+# ---- FedProx: litian96/FedProx flearn/optimizer/pgd.py (PerturbedGradientDescent), flearn/trainers/fedbase.py ------
+# ---- Ditto: litian96/ditto flearn/trainers_MTL/ditto.py (the personal step) -----------------------------------------
+def random_params(seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"body.w": torch.randn(3, 4, generator=g, dtype=torch.float64),
+            "head.b": torch.randn(2, generator=g, dtype=torch.float64)}  # fmt: skip
+
+
+def test_fedprox_and_ditto_proximal_gradients_are_the_authors_effective_gradients() -> None:
+    """FedProx's PGD step is w − lr·(∇f + μ(w − w*)); Ditto's personal step v − lr·(∇f + λ(v − w^t)): the
+    gradient of the added term is μ(w − w*) per coordinate (½·μ·Σ over every parameter, nothing averaged)."""
+    w, anchor = random_params(1), random_params(2)
+    for alg, coef in ((FedProx(mu=0.3), 0.3), (Ditto(lam=0.75), 0.75)):
+        grads = torch.func.grad(lambda p, a=alg: a.proximal(p, anchor))(w)
+        for n in w:
+            assert_close_finite(grads[n], coef * (w[n] - anchor[n]))
+
+
+# ---- pFedMe: CharlieDinh/pFedMe FLAlgorithms/optimizers/fedoptimizer.py (pFedMeOptimizer.step),
+#      FLAlgorithms/users/userpFedMe.py (train) -----------------------------------------------------------------------
+def test_pfedme_personal_and_local_steps_are_the_authors() -> None:
+    """K steps θ ← θ − plr·(∇f(θ; D) + λ(θ − w)) (their optimizer, mu = 0), then w ← w − λ·η·(w − θ̃); one local
+    round on one minibatch holding all the client's data (the CE mean does not depend on the shuffle)."""
+    net, (x, y) = split_net(), batch()
+    lam, plr, eta, k = 15.0, 0.09, 0.005, 5
+    alg = PFedMe(lam=lam, personal_lr=plr, inner_steps=k, local_steps=1)
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    opt = ClientOptimizer(lr=eta, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "pfedme"))
+    up = alg.client_update(ctx, w0, alg.init_client_state(w0))
+
+    theta = {n: t.clone() for n, t in w0.items()}
+    for _ in range(k):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in theta.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        theta = {n: theta[n] - plr * (g + lam * (theta[n] - w0[n])) for n, g in zip(theta, grads)}
+    for n in w0:
+        assert_close_finite(up.upload[n], w0[n] - lam * eta * (w0[n] - theta[n]))
+        assert_close_finite(up.state["theta." + n], theta[n])
+
+
+# ---- FedDyn: alpemreacar/FedDyn utils_general.py (train_feddyn_mdl), utils_methods.py (train_FedDyn) ---------------
+def test_feddyn_local_step_and_state_are_the_authors() -> None:
+    """Their local loss L_i(θ) + α⟨θ, −θ^{t−1} + λ_i⟩ with SGD weight decay α (so + α/2‖θ‖²), λ_i = Σ of the
+    client's past Δθ_i; after training λ_i += θ_i − θ^{t−1}. Ours keeps g_i = −α·λ_i: the same step and state."""
+    net, (x, y) = split_net(), batch()
+    alpha, lr = 0.1, 0.2
+    theta0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedDyn(alpha=alpha)
+    alg.check_compatible(net, CLASSES)
+    alg.setup(theta0, 4)
+    past = random_like(theta0, 5)  # λ_i
+    state = {"grad." + n: -alpha * past[n] for n in theta0}
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "feddyn"))
+    up = alg.client_update(ctx, theta0, state)
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in theta0.items()}
+    loss_f = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+    loss_algo = alpha * sum((leaves[n] * (-theta0[n] + past[n])).sum() for n in leaves)
+    grads = torch.autograd.grad(loss_f + loss_algo, list(leaves.values()))
+    theta1 = {n: theta0[n] - lr * (g + alpha * theta0[n]) for n, g in zip(theta0, grads)}  # + weight decay α·θ
+    for n in theta0:
+        assert_close_finite(up.upload["delta." + n], theta1[n] - theta0[n])
+        assert_close_finite(up.state["grad." + n], -alpha * (past[n] + theta1[n] - theta0[n]))
+
+
+def random_like(params: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in params.items()}
+
+
+# ---- FedBN: med-air/FedBN federated/fed_digits.py (communication) ---------------------------------------------------
+def test_fedbn_keeps_local_exactly_the_keys_the_authors_do_not_average() -> None:
+    """Their server averages every state_dict key without 'bn' in its name (their BN layers are named bn*): BN
+    weight, bias, running mean/var and batch count stay local. Ours finds the BN layers by their buffers."""
+    from fl_lightning.models import DigitsCNN
+
+    net = DigitsCNN(batchnorm=True)
+    params = dict(net.state_dict())
+    alg = FedBN()
+    alg.setup(params, 4)
+    ours = {k for k in params if any(k.startswith(p) for p in alg.personal)}
+    assert ours == {k for k in params if "bn" in k} and len(ours) == 10
