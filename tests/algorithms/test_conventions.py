@@ -9,7 +9,7 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, PFedMe
+from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
@@ -217,3 +217,34 @@ def test_fedbn_keeps_local_exactly_the_keys_the_authors_do_not_average() -> None
     alg.setup(params, 4)
     ours = {k for k in params if any(k.startswith(p) for p in alg.personal)}
     assert ours == {k for k in params if "bn" in k} and len(ours) == 10
+
+
+# ---- FedRep: lgcollins/FedRep models/Update.py (LocalUpdate.train), main_fedrep.py, scripts/FedRep_cifar10_2shards.sh
+def test_fedrep_local_update_is_the_authors_head_then_body_loop() -> None:
+    """Their loop: one SGD(momentum 0.5; weight decay 1e-4 on weights, 0 on biases) over the model; the first
+    local_ep − local_rep_ep epochs train the head only, the last local_rep_ep the body only (batch-mean CE)."""
+    import copy
+
+    net, (x, y) = split_net(), batch()
+    lr, head_epochs = 0.1, 3
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedRep(head_epochs=head_epochs, body_epochs=1)
+    opt = ClientOptimizer(lr=lr, momentum=0.5, weight_decay=1e-4, batch_size=BATCH, decay_bias=False)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "fedrep"))
+    up = alg.client_update(ctx, glob, alg.init_client_state(glob))
+
+    ref = copy.deepcopy(net)
+    bias_p = [p for n, p in ref.named_parameters() if "bias" in n]
+    weight_p = [p for n, p in ref.named_parameters() if "bias" not in n]
+    sgd = torch.optim.SGD([{"params": weight_p, "weight_decay": 1e-4}, {"params": bias_p, "weight_decay": 0}],
+                          lr=lr, momentum=0.5)  # fmt: skip
+    for epoch in range(head_epochs + 1):
+        for name, p in ref.named_parameters():
+            p.requires_grad = name.startswith("head.") == (epoch < head_epochs)
+        ref.zero_grad(set_to_none=True)
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        sgd.step()
+    final = dict(ref.named_parameters())
+    assert sorted(up.upload) == ["body.0.bias", "body.0.weight"] and sorted(up.state) == ["head.bias", "head.weight"]
+    for n, t in final.items():
+        assert_close_finite(up.upload[n] if n.startswith("body.") else up.state[n], t.detach())
