@@ -9,7 +9,7 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, PFedMe
+from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, LGFedAvg, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
@@ -248,3 +248,32 @@ def test_fedrep_local_update_is_the_authors_head_then_body_loop() -> None:
     assert sorted(up.upload) == ["body.0.bias", "body.0.weight"] and sorted(up.state) == ["head.bias", "head.weight"]
     for n, t in final.items():
         assert_close_finite(up.upload[n] if n.startswith("body.") else up.state[n], t.detach())
+
+
+# ---- LG-FedAvg: pliang279/LG-FedAvg models/Update.py (LocalUpdate.train), main_lg.py -------------------------------
+def test_lg_fedavg_trains_jointly_and_uploads_only_the_global_layers() -> None:
+    """Their client: one SGD(momentum 0.5) over net.parameters() (batch-mean CE); the server averages only
+    w_glob_keys (the top layers) and every client keeps its own lower layers."""
+    import copy
+
+    net, (x, y) = split_net(), batch()
+    lr = 0.1
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = LGFedAvg(local_epochs=2, personal=("body.",))
+    state = alg.init_client_state(glob)
+    opt = ClientOptimizer(lr=lr, momentum=0.5, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "lg"))
+    up = alg.client_update(ctx, glob, state)
+
+    ref = copy.deepcopy(net)
+    sgd = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.5)
+    for _ in range(2):
+        sgd.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        sgd.step()
+    final = {n: p.detach() for n, p in ref.named_parameters()}
+    assert sorted(up.upload) == ["head.bias", "head.weight"]  # w_glob_keys: the top layer here
+    for n in up.upload:
+        assert_close_finite(up.upload[n], final[n])
+    for n in ("body.0.weight", "body.0.bias"):
+        assert_close_finite(up.state[n], final[n])  # the local layers, trained jointly, kept on the client
