@@ -9,7 +9,7 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, LGFedAvg, PFedMe
+from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, FedRoD, LGFedAvg, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
@@ -277,3 +277,44 @@ def test_lg_fedavg_trains_jointly_and_uploads_only_the_global_layers() -> None:
         assert_close_finite(up.upload[n], final[n])
     for n in ("body.0.weight", "body.0.bias"):
         assert_close_finite(up.state[n], final[n])  # the local layers, trained jointly, kept on the client
+
+
+def test_configs_drop_partial_batches_where_the_authors_loaders_do() -> None:
+    """FedProto (lib/update.py) and MOON (utils.py get_dataloader) train on DataLoader(drop_last=True); FedBABU's
+    and FedRep's loaders keep the partial batch (models/Update.py)."""
+    import yaml
+
+    for method, drop in (("fedproto", True), ("moon", True), ("fedbabu", False), ("fedrep", False)):
+        for folder in ("configs/digits", "configs/methods"):
+            model = yaml.safe_load(open(f"{folder}/{method}.yaml"))["model"]
+            assert model.get("drop_last", False) is drop, (folder, method)
+
+
+# ---- FedRoD: github.com/hongyouc/Fed-RoD holds only a README; the reference is the paper's §4.1–4.2 ---------------
+def test_fedrod_generic_step_is_balanced_softmax_and_personal_step_plain_ce() -> None:
+    """ℓ_BSM = −log softmax(h_G(z) + log π_i)_y moves the body and generic head; ℓ_P = −log softmax(h_G(z).detach()
+    + h_P(z.detach()))_y moves the personal head; both batch means, one plain SGD step each from one forward pass."""
+    net, (x, _) = split_net(), batch()
+    y = torch.tensor([0, 1, 3, 3, 0, 1])  # class 2 absent: log π = −inf, it gets no gradient
+    lr = 0.2
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedRoD(local_epochs=1)
+    alg.setup(glob, 4)
+    state = {"p_head." + n: 0.1 * random_like(glob, 9)[n] for n in ("head.weight", "head.bias")}
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "fedrod"))
+    up = alg.client_update(ctx, glob, state)
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in glob.items()}
+    wp, bp = (state["p_head." + n].clone().requires_grad_(True) for n in ("head.weight", "head.bias"))
+    z = torch.relu(x @ leaves["body.0.weight"].T + leaves["body.0.bias"])
+    generic = z @ leaves["head.weight"].T + leaves["head.bias"]
+    prior = torch.bincount(y, minlength=CLASSES).double() / len(y)
+    bsm = -torch.log_softmax(generic + prior.log(), 1)[torch.arange(len(y)), y].mean()
+    personal = -torch.log_softmax(generic.detach() + z.detach() @ wp.T + bp, 1)[torch.arange(len(y)), y].mean()
+    g_shared = torch.autograd.grad(bsm, list(leaves.values()))
+    g_wp, g_bp = torch.autograd.grad(personal, [wp, bp])
+    for (n, t), g in zip(glob.items(), g_shared):
+        assert_close_finite(up.upload[n], t - lr * g)
+    assert_close_finite(up.state["p_head.head.weight"], state["p_head.head.weight"] - lr * g_wp)
+    assert_close_finite(up.state["p_head.head.bias"], state["p_head.head.bias"] - lr * g_bp)
