@@ -9,7 +9,19 @@ from helpers import assert_close_finite
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from fl_lightning.algorithms import MOON, Ditto, FedBN, FedDyn, FedProto, FedProx, FedRep, FedRoD, LGFedAvg, PFedMe
+from fl_lightning.algorithms import (
+    MOON,
+    Ditto,
+    FedALA,
+    FedBN,
+    FedDyn,
+    FedProto,
+    FedProx,
+    FedRep,
+    FedRoD,
+    LGFedAvg,
+    PFedMe,
+)
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.models.split import SplitModel
@@ -318,3 +330,25 @@ def test_fedrod_generic_step_is_balanced_softmax_and_personal_step_plain_ce() ->
         assert_close_finite(up.upload[n], t - lr * g)
     assert_close_finite(up.state["p_head.head.weight"], state["p_head.head.weight"] - lr * g_wp)
     assert_close_finite(up.state["p_head.head.bias"], state["p_head.head.bias"] - lr * g_bp)
+
+
+# ---- FedALA: TsingZ0/FedALA system/utils/ALA.py (adaptive_local_aggregation) --------------------------------------
+def test_fedala_weight_step_is_the_authors_clipped_update() -> None:
+    """Their step per batch: W ← clamp(W − η·(∂L/∂θ̂ ⊙ (Θ − θ)), 0, 1) with θ̂ = θ + (Θ − θ) ⊙ W on the top layers,
+    L the batch-mean CE of the model whose lower layers are Θ; here one batch holding every sampled row."""
+    net, (x, y) = split_net(), batch()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    local = {n: t + 0.5 for n, t in random_like(glob, 3).items() if n.startswith("head.")}
+    alg = FedALA(eta=1.5, s=100, p=1)
+    alg.setup(glob, 4)
+    weights = {n: torch.full_like(glob[n], 0.7) for n in local}
+    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(batch_size=BATCH), F.cross_entropy,
+                        make_generator(0, "ala"))  # fmt: skip
+    got = alg.learn_weights(ctx, glob, local, weights, until_converged=False)
+
+    mixed = {n: (local[n] + (glob[n] - local[n]) * weights[n]).requires_grad_(True) for n in local}
+    loss = F.cross_entropy(torch.func.functional_call(net, {**glob, **mixed}, (x,)), y)
+    grads = dict(zip(mixed, torch.autograd.grad(loss, list(mixed.values()))))
+    for n in local:
+        want = torch.clamp(weights[n] - 1.5 * (grads[n] * (glob[n] - local[n])), 0, 1)
+        assert_close_finite(got[n], want)
