@@ -92,6 +92,7 @@ def test_hyperparameters_leave_out_objects_and_optimizer_factories() -> None:
         "straggler_budget",
         "executor",
         "keep_client_optimizer_state",
+        "drop_last",
     }
     assert set(module.hparams) == expected
     assert module.hparams["lr"] == 0.01 and module.hparams["batch_size"] == 10
