@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import (
+    APFL,
     MOON,
     Ditto,
     FedALA,
@@ -352,3 +353,28 @@ def test_fedala_weight_step_is_the_authors_clipped_update() -> None:
     for n in local:
         want = torch.clamp(weights[n] - 1.5 * (grads[n] * (glob[n] - local[n])), 0, 1)
         assert_close_finite(got[n], want)
+
+
+# ---- APFL: the paper's Algorithm 1 (parameter mixing); the authors' MLOPTPSU/FedTorch
+#      fedtorch/comms/trainings/federated/centered/apfl.py mixes the two models' outputs instead -----------------------
+def test_apfl_steps_are_the_papers_parameter_mixture() -> None:
+    """w ← w − η∇f(w; ξ) and v ← v − η∇_v f(αv + (1−α)w; ξ) = v − ηα∇f(v̄; ξ), both at the pre-step (w, v)."""
+    net, (x, y) = split_net(), batch()
+    alpha, lr = 0.25, 0.3
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    v0 = {n: t + 0.2 for n, t in random_like(w0, 4).items()}
+    alg = APFL(alpha=alpha)
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "apfl"))
+    up = alg.client_update(ctx, w0, {"v." + n: t for n, t in v0.items()})
+
+    def grads_at(p: dict[str, Tensor]) -> dict[str, Tensor]:
+        leaves = {n: t.clone().requires_grad_(True) for n, t in p.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    g_w = grads_at(w0)
+    g_mix = grads_at({n: alpha * v0[n] + (1 - alpha) * w0[n] for n in w0})
+    for n in w0:
+        assert_close_finite(up.upload[n], w0[n] - lr * g_w[n])
+        assert_close_finite(up.state["v." + n], v0[n] - lr * alpha * g_mix[n])
