@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from fl_lightning.algorithms import (
     APFL,
     MOON,
+    SCAFFOLD,
     Ditto,
     FedALA,
     FedBN,
@@ -378,3 +379,32 @@ def test_apfl_steps_are_the_papers_parameter_mixture() -> None:
     for n in w0:
         assert_close_finite(up.upload[n], w0[n] - lr * g_w[n])
         assert_close_finite(up.state["v." + n], v0[n] - lr * alpha * g_mix[n])
+
+
+# ---- SCAFFOLD: no code released by its authors; the reference is Algorithm 1, option II ---------------------------
+def test_scaffold_local_steps_and_control_variate_are_algorithm_1_option_2() -> None:
+    """K steps y ← y − η(g_i(y) − c_i + c) (g the batch-mean CE gradient), then c_i⁺ = c_i − c + (x − y)/(Kη);
+    uploads Δy = y − x (here: y) and Δc_i = c_i⁺ − c_i."""
+    net, (x, y) = split_net(), batch()
+    lr, k = 0.2, 3
+    x0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = SCAFFOLD(local_epochs=k)
+    alg.setup(x0, 4)
+    c, c_i = random_like(x0, 6), random_like(x0, 7)
+    for n, t in c.items():
+        alg.server_variate()[n].copy_(t)
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)  # one full batch per epoch: K = epochs
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "scaffold"))
+    up = alg.client_update(ctx, x0, {"c_i." + n: t for n, t in c_i.items()})
+
+    w = {n: t.clone() for n, t in x0.items()}
+    for _ in range(k):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        g = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        w = {n: w[n] - lr * (g[n] - c_i[n] + c[n]) for n in w}
+    for n in x0:
+        c_new = c_i[n] - c[n] + (x0[n] - w[n]) / (k * lr)
+        assert_close_finite(up.upload[n], w[n])
+        assert_close_finite(up.state["c_i." + n], c_new)
+        assert_close_finite(up.upload["delta_c." + n], c_new - c_i[n])
