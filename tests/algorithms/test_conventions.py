@@ -22,6 +22,7 @@ from fl_lightning.algorithms import (
     FedRep,
     FedRoD,
     LGFedAvg,
+    PerFedAvg,
     PFedMe,
 )
 from fl_lightning.client import ClientContext, ClientOptimizer
@@ -408,3 +409,34 @@ def test_scaffold_local_steps_and_control_variate_are_algorithm_1_option_2() -> 
         assert_close_finite(up.upload[n], w[n])
         assert_close_finite(up.state["c_i." + n], c_new)
         assert_close_finite(up.upload["delta_c." + n], c_new - c_i[n])
+
+
+# ---- Per-FedAvg: no code released by its authors; the reference is the paper's HF update (Fallah et al. 2020) -----
+def test_perfedavg_meta_gradient_is_the_papers_hessian_free_step() -> None:
+    """w̃ = w − α∇f(w; D), g' = ∇f(w̃; D'), g = g' − α·∇²f(w; D)·g' with the Hessian-vector product by the central
+    difference [∇f(w + δg'; D) − ∇f(w − δg'; D)]/(2δ); batch-mean losses. Also ≈ the exact Hessian product."""
+    net, (x, y) = split_net(), batch()
+    alpha, delta = 0.05, 1e-3
+    w = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = PerFedAvg(inner_lr=alpha, support=4, target=2, hvp_delta=delta)
+    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(), F.cross_entropy, make_generator(0, "pfa"))
+    got = alg.meta_gradient(ctx, w, list(w), (x[:4], y[:4]), (x[4:], y[4:]))
+
+    def loss(p: dict[str, Tensor], xs: Tensor, ys: Tensor) -> Tensor:
+        return F.cross_entropy(torch.func.functional_call(net, p, (xs,)), ys)
+
+    def grad_at(p: dict[str, Tensor], xs: Tensor, ys: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
+        leaves = {n: t.clone().requires_grad_(True) if not t.requires_grad else t for n, t in p.items()}
+        return dict(zip(leaves, torch.autograd.grad(loss(leaves, xs, ys), list(leaves.values()),
+                                                    create_graph=create_graph)))  # fmt: skip
+
+    g_in = grad_at(w, x[:4], y[:4])
+    g_out = grad_at({n: w[n] - alpha * g_in[n] for n in w}, x[4:], y[4:])
+    plus = grad_at({n: w[n] + delta * g_out[n] for n in w}, x[:4], y[:4])
+    minus = grad_at({n: w[n] - delta * g_out[n] for n in w}, x[:4], y[:4])
+    leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+    g = grad_at(leaves, x[:4], y[:4], create_graph=True)
+    hvp = dict(zip(leaves, torch.autograd.grad(sum((g[n] * g_out[n]).sum() for n in w), list(leaves.values()))))
+    for n in w:
+        assert_close_finite(got[n], g_out[n] - alpha * (plus[n] - minus[n]) / (2 * delta))
+        assert_close_finite(got[n], g_out[n] - alpha * hvp[n], rtol=1e-4, atol=1e-7)
