@@ -15,13 +15,16 @@ from fl_lightning.algorithms import (
     SCAFFOLD,
     Ditto,
     FedALA,
+    FedAvg,
     FedBN,
     FedDyn,
+    FedPer,
     FedProto,
     FedProx,
     FedRep,
     FedRoD,
     LGFedAvg,
+    LocalOnly,
     PerFedAvg,
     PFedMe,
 )
@@ -440,3 +443,25 @@ def test_perfedavg_meta_gradient_is_the_papers_hessian_free_step() -> None:
     for n in w:
         assert_close_finite(got[n], g_out[n] - alpha * (plus[n] - minus[n]) / (2 * delta))
         assert_close_finite(got[n], g_out[n] - alpha * hvp[n], rtol=1e-4, atol=1e-7)
+
+
+# ---- FedAvg, FedPer, Local Only: no code released by their authors; FedAvg is McMahan et al. 2017's Algorithm 1 --
+def test_fedavg_fedper_and_local_only_train_every_parameter_and_differ_in_what_they_keep() -> None:
+    """E epochs of minibatch SGD on the batch-mean loss over all parameters (here E full-batch steps, plain SGD);
+    FedAvg uploads the whole model, FedPer the body (its head stays on the client), Local Only nothing."""
+    net, (x, y) = split_net(), batch()
+    lr, epochs = 0.3, 2
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    w = dict(w0)
+    for _ in range(epochs):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        w = {n: w[n] - lr * g for n, g in zip(w, torch.autograd.grad(loss, list(leaves.values())))}
+    for alg, uploaded in ((FedAvg(epochs), list(w0)), (FedPer(epochs), ["body.0.weight", "body.0.bias"]),
+                          (LocalOnly(epochs), [])):  # fmt: skip
+        ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH),
+                            F.cross_entropy, make_generator(0, "avg"))  # fmt: skip
+        up = alg.client_update(ctx, w0, alg.init_client_state(w0))
+        assert sorted(up.upload) == sorted(uploaded), type(alg).__name__
+        for n in w0:
+            assert_close_finite(up.upload[n] if n in uploaded else up.state[n], w[n])
