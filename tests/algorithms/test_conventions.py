@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import (
     APFL,
+    L2GD,
     MOON,
     SCAFFOLD,
     Ditto,
@@ -465,3 +466,30 @@ def test_fedavg_fedper_and_local_only_train_every_parameter_and_differ_in_what_t
         assert sorted(up.upload) == sorted(uploaded), type(alg).__name__
         for n in w0:
             assert_close_finite(up.upload[n] if n in uploaded else up.state[n], w[n])
+
+
+# ---- L2GD: as FedRep's authors run it (lgcollins/FedRep main_l2gd.py: lr = alpha / (num_users·(1 − p))) ----------
+def test_l2gd_aggregation_round_is_the_codes_mixing_step() -> None:
+    """An aggregation round moves x_i ← (1 − ηλ)x_i + ηλ·x̄ with η = α/(N(1 − p)); a local round trains x_i."""
+    net, (x, y) = split_net(), batch()
+    p, alpha, lam, n_clients = 0.9, 0.25, 1.0, 20
+    glob = {n: t.detach().clone() for n, t in net.named_parameters()}
+    local = {n: glob[n] + d for n, d in random_like(glob, 8).items()}
+    alg = L2GD(p=p, alpha=alpha, lam=lam)
+    alg.setup(glob, n_clients)
+    rounds = {alg.aggregation_round(0, r): r for r in range(40)}  # one aggregation and one local round
+    eta_lam = alpha / (n_clients * (1 - p)) * lam
+    for aggregate, round_idx in rounds.items():
+        ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=0.1, momentum=0.0, batch_size=BATCH),
+                            F.cross_entropy, make_generator(0, "l2"), round_idx=round_idx, seed=0)  # fmt: skip
+        up = alg.client_update(ctx, glob, {"x." + n: t for n, t in local.items()})
+        for n in glob:
+            if aggregate:
+                want = (1 - eta_lam) * local[n] + eta_lam * glob[n]
+            else:
+                leaves = {k: t.clone().requires_grad_(True) for k, t in local.items()}
+                loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+                want = local[n] - 0.1 * dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))[n]
+            assert_close_finite(up.state["x." + n], want)
+            assert_close_finite(up.upload["delta_x." + n], want - local[n])
+    assert set(rounds) == {True, False}
