@@ -19,6 +19,7 @@ from fl_lightning.algorithms import (
     FedAvg,
     FedBN,
     FedDyn,
+    FedMTL,
     FedPer,
     FedProto,
     FedProx,
@@ -493,3 +494,24 @@ def test_l2gd_aggregation_round_is_the_codes_mixing_step() -> None:
             assert_close_finite(up.state["x." + n], want)
             assert_close_finite(up.upload["delta_x." + n], want - local[n])
     assert set(rounds) == {True, False}
+
+
+# ---- Fed-MTL: LG-FedAvg's code as FedRep runs it (lgcollins/FedRep models/Update.py LocalUpdateMTL, main_mtl.py) --
+def test_fedmtl_penalty_gradient_is_that_of_the_regulariser_with_the_centering_matrix() -> None:
+    """R(W) = s·(‖W‖² + tr(W Ω Wᵀ)) with Ω = C·C, C = I − 11ᵀ/m (the matrix square: Ω = C): the gradient in client
+    j's column is that of our per-client penalty s·(‖w_j‖² + ‖w_j − w̄‖²) at w̄ = mean of the columns. (The code
+    writes ``omega ** 2``, an elementwise square in torch: docs/algorithms.md says where we differ.)"""
+    m, scale = 4, 0.01
+    g = torch.Generator().manual_seed(2)
+    cols = torch.randn(5, m, generator=g, dtype=torch.float64)  # W: one flattened model per column
+    c = torch.eye(m, dtype=torch.float64) - torch.ones(m, m, dtype=torch.float64) / m
+    omega = c @ c
+    leaf = cols.clone().requires_grad_(True)
+    reg = scale * (leaf.norm() ** 2 + torch.trace(leaf @ omega @ leaf.T))
+    full = torch.autograd.grad(reg, leaf)[0]
+    alg = FedMTL(reg_scale=scale)
+    alg.setup({"w": torch.zeros(5, dtype=torch.float64)}, m)
+    mean = {"w": cols.mean(1)}
+    for j in range(m):
+        ours = torch.func.grad(lambda p: alg.penalty(p, mean))({"w": cols[:, j]})["w"]
+        assert_close_finite(ours, full[:, j])
