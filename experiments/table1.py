@@ -25,7 +25,7 @@ from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.report import results_records
 from fl_lightning.experiment.runner import run_experiment
 from fl_lightning.experiment.spec import Experiment, load_experiment
-from fl_lightning.results import bar_chart, format_table, write_results
+from fl_lightning.results import bar_chart, format_table, reported_figure, write_results
 
 CONFIGS = ROOT / "configs"
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             return result.code
         acc[column] = {m: [] for m in args.methods}
         for r in result.results:
-            acc[column][r.axes["method"]].append(100 * float(r.summary["last10"]))  # shown in %, stored as fractions
+            acc[column][r.axes["method"]].append(100 * reported_figure(r.summary))  # in %; a "+FT" row: final_ft
         records += results_records(result.results)
 
     mean = {c: {m: statistics.fmean(v) for m, v in acc[c].items()} for c in columns}

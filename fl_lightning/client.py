@@ -9,6 +9,7 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fl_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 Params = dict[str, Tensor]
 
@@ -116,7 +119,8 @@ class ClientOptimizer:
     momentum SGD with ``lr``, ``momentum`` and ``weight_decay`` (spec 000 §3.2: lr 0.01, momentum 0.5, batch 10).
     ``lr`` is the round's learning rate: it replaces the lr of every parameter group, so an lr schedule over
     rounds only has to set it. ``decay_bias=False`` puts biases in a parameter group without weight decay
-    (as the FedRep authors' code does).
+    (as the FedRep authors' code does). ``drop_last`` (``model.drop_last``) skips every minibatch of fewer than
+    ``batch_size`` samples (a ``DataLoader(drop_last=True)``), in every phase that does not ask otherwise.
     """
 
     lr: float = 0.01
@@ -125,6 +129,7 @@ class ClientOptimizer:
     batch_size: int = 10
     decay_bias: bool = True
     factory: OptimizerCallable | None = None
+    drop_last: bool = False
 
     @classmethod
     def from_config(
@@ -135,15 +140,24 @@ class ClientOptimizer:
         weight_decay: float = 0.0,
         batch_size: int = 10,
         decay_bias: bool = True,
+        drop_last: bool = False,
     ) -> ClientOptimizer:
         """Settings from the model's config; with a ``factory``, its own init args give lr, momentum and weight
         decay. A factory that cannot build, or cannot step without a closure, is a ``ConfigError``."""
         if factory is None:
-            return cls(lr, momentum, weight_decay, batch_size, decay_bias)
+            return cls(lr, momentum, weight_decay, batch_size, decay_bias, drop_last=drop_last)
         probe = cls(lr, momentum, weight_decay, batch_size, decay_bias, factory).probe()
         hyper = probe.defaults
         momentum, decay = float(hyper.get("momentum", 0.0)), float(hyper.get("weight_decay", 0.0))
-        return cls(float(hyper["lr"]), momentum, decay, batch_size, decay_bias, factory)
+        return cls(float(hyper["lr"]), momentum, decay, batch_size, decay_bias, factory, drop_last)
+
+    def min_batch(self, batch_size: int, net: nn.Module | None = None) -> int:
+        """A phase's default ``min_batch`` for batches of ``batch_size``: all of it with ``drop_last``; else 2 for
+        a network with ``BatchNorm1d`` (which cannot normalise one sample in training mode: that batch is
+        skipped, and the run says so once), else 1 (every batch trains)."""
+        if self.drop_last:
+            return batch_size
+        return 2 if net is not None and has_batchnorm1d(net) else 1
 
     def build(self, params: Params, lr: float | None = None, fused: bool = False) -> torch.optim.Optimizer:
         """The optimiser over the named leaves ``params``, every group at learning rate ``lr`` (default: the
@@ -173,6 +187,21 @@ class ClientOptimizer:
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"model.client_optimizer: {factory_name(self.factory)} cannot be used: {exc}") from None
         return opt
+
+
+def has_batchnorm1d(net: nn.Module) -> bool:
+    """Whether ``net`` has a ``BatchNorm1d`` layer (training mode needs more than one value per channel)."""
+    return any(isinstance(m, nn.BatchNorm1d) for m in net.modules())
+
+
+_WARNED: set[str] = set()  #: one-line warnings already given in this process
+
+
+def warn_once(key: str, message: str) -> None:
+    """``log.warning(message)`` the first time ``key`` is seen in this process."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
 
 
 def factory_name(factory: object) -> str:
@@ -532,7 +561,7 @@ class ClientContext:
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
-        min_batch: int = 1,
+        min_batch: int | None = None,
         objective: Objective | None = None,
     ) -> Params:
         """Train ``trainable`` for ``epochs`` epochs of minibatches with the client optimiser (momentum SGD unless
@@ -544,7 +573,8 @@ class ClientContext:
         (FedProx, Ditto, …; with ``Penalty.gradient`` as a gradient term); ``objective`` replaces the minibatch
         loss (MOON, FedProto, FedRoD); ``lr`` overrides the round's learning rate. ``gradient`` replaces the
         minibatch loss's gradient by another step direction (Per-FedAvg, APFL, pFedMe); batches of ``batch_size``
-        (default: the client optimiser's) with fewer than ``min_batch`` samples are skipped; ``max_steps`` caps the
+        (default: the client optimiser's) with fewer than ``min_batch`` samples are skipped (default:
+        ``ClientOptimizer.min_batch``, i.e. ``model.drop_last``); ``max_steps`` caps the
         steps (a function of the client's size and straggler budget gives each client its own cap). Returns a new
         dict (buffers such as BatchNorm statistics updated as the forward passes update them); ``params`` is not
         modified. ``train_loss`` and ``steps_taken`` describe the phase.
@@ -566,6 +596,14 @@ class ClientContext:
         bs = batch_size or self.optimizer.batch_size
         if callable(max_steps):
             max_steps = max_steps(self.num_samples, self.step_budget)
+        if min_batch is None:
+            min_batch = self.optimizer.min_batch(bs, self.net)
+            if not self.optimizer.drop_last and min_batch == 2 and self.num_samples % bs == 1:
+                warn_once(
+                    "bn1d",
+                    "BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm "
+                    "cannot train on one sample); model.drop_last: true drops every partial minibatch",
+                )
         limit = step_limit(self.step_budget, epochs, self.num_samples, bs, max_steps, min_batch)
         steps, loss_sum = 0, torch.zeros((), device=self.x.device)
         seen = self.class_sums_seen
@@ -769,7 +807,7 @@ class Client(Protocol):
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
-        min_batch: int = 1,
+        min_batch: int | None = None,
         objective: Objective | None = None,
     ) -> Params:
         """A training phase of the client optimiser over ``trainable`` (see ``ClientContext.sgd``)."""

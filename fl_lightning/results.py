@@ -21,6 +21,27 @@ def record(
     return row
 
 
+#: the summary figure of a run's "+FT" evaluation (evaluated once, at the end of training)
+FINETUNED = "final_ft"
+
+
+def finetuned_figure(key: str) -> str | None:
+    """The "+FT" counterpart of a plain summary figure: ``final``, ``last10`` and ``best`` → ``final_ft`` (the
+    fine-tuned model is evaluated once, at the end), ``final_<spread>`` → ``final_ft_<spread>``; else None."""
+    if key in ("final", "last10", "best"):
+        return FINETUNED
+    if key.startswith("final_") and not key.startswith(FINETUNED):
+        return f"{FINETUNED}_{key[len('final_') :]}"
+    return None
+
+
+def reported_figure(summary: dict[str, Any], key: str = "last10") -> float:
+    """The figure a method's row reports: ``key`` of a plain run; of a "+FT" run (its summary has ``final_ft``)
+    the fine-tuned counterpart of ``key`` (``finetuned_figure``), since that row is the "+FT" method."""
+    ft = finetuned_figure(key)
+    return float(summary[ft] if FINETUNED in summary and ft is not None and ft in summary else summary[key])
+
+
 def write_results(records: list[dict[str, Any]], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"

@@ -5,11 +5,21 @@ the body for ``local_epochs`` epochs of local SGD through that fixed head, and t
 (FedAvg on the body). The head is never updated and never uploaded; it is the same on every client (it comes with
 the initial model, so it is not counted in the per-round download either).
 
-Personalisation happens at evaluation: each client fine-tunes the head of the global model on its own training data
-and is evaluated once with the result ("the head is fine-tuned for personalization during the evaluation process",
-the paper's abstract). That is the engine's ``model.finetune`` option ("+FT"), which the FedBABU configs set to
-τ_f = 5 head epochs (the paper's fine-tuning epochs, as we read its experiments; ``prefixes: [""]`` fine-tunes
-the whole network instead). The configs do the same for held-out new clients (``model.new_client_finetune``).
+Personalisation happens at evaluation: each client fine-tunes the global model on its own training data and is
+evaluated once with the result. That is the engine's ``model.finetune`` option ("+FT"). The FedBABU configs set
+it to the authors' code: the WHOLE model (``prefixes: [""]``), τ_f = 5 epochs, at the run's learning rate and
+momentum. The authors' fine-tuning is in ``analysis.ipynb`` of github.com/jhoon-oh/FedBABU (``personalization_epoch
+= 5``; one SGD optimizer over ``body_params`` and ``head_params``, both at ``args.lr``; the batch size
+``local_bs``), with lr 1e-3 and momentum 0.9, which is the last learning rate of their training schedule
+(``scripts/run_fedbabu.sh``: lr 0.1, decayed ×0.1 at 1/2 and 3/4 of the rounds in ``main_fed.py``); our runs
+have no schedule, so "the last learning rate" is the run's ``model.lr``. The paper's abstract says "the head is
+fine-tuned"; its experiments fine-tune the whole network (as the notebook does). The head-only variant stays
+available as ``--model.finetune.prefixes '[head.]'`` (and the same for ``model.new_client_finetune``).
+The configs fine-tune held-out new clients the same way (``model.new_client_finetune``).
+
+Conventions (``models/Update.py`` ``LocalUpdate.train``, ``main_fed.py``): the local objective is the batch mean
+``nn.CrossEntropyLoss``, the head's lr is 0 during training (``--local_upt_part body``), and the server averages
+the bodies with equal weights (``w_glob[k] / m``; ``--aggr_part body``); our weights are ``model.aggregation``.
 
 FedBABU keeps no client state; the body's upload depends only on the global model and the client's data.
 """

@@ -11,10 +11,19 @@ negative. A sampled client starts from w^t and runs ``local_epochs`` epochs of l
 ℓ_sup(w; x, y) + μ·ℓ_con(w; w^t, w_i^{prev}; x) (eq. 4), averaged over the minibatch, uploads its model and
 keeps it as its next w_i^{prev} (client bank, ``prev.``). The server averages the uploads (FedAvg).
 
+Conventions, from the authors' code (github.com/QinbinLi/MOON, ``main.py``: ``train_net_fedcon`` and its
+argument parser): both terms are ``nn.CrossEntropyLoss`` means over the minibatch, ``loss = loss1 + mu * loss2``
+with loss2 the cross-entropy of the cosine logits / τ against the positive (index 0); the server averages the
+sampled clients' models weighted by their sample counts (``fed_avg_freqs``) and the global model is evaluated.
+Defaults: μ = 1 and τ = 0.5, the defaults of that ``main.py`` (``--mu`` 1, ``--temperature`` 0.5). The paper uses
+μ = 5 on CIFAR-10 (§4.1, and the README's CIFAR-10 command) and 1 on CIFAR-100; the README asks to tune μ in
+{0.001, 0.01, 0.1, 1, 5, 10} on other settings. On the digits split μ = 5 collapses the global model to chance
+(docs/pfl_baselines_digits.md).
+
 Choices: the paper's representation is a projection head's output on top of the base encoder; here it is the
 body's output (no extra layers, so that MOON runs on every ``SplitModel``); a client that has not yet trained uses
-the initial global model as w_i^{prev} (its first round's ℓ_con is the constant log 2). τ = 0.5 and μ = 5 on
-CIFAR-10, 1 on CIFAR-100 (§4.1).
+the initial global model as w_i^{prev} (its first round's ℓ_con is the constant log 2, of zero gradient; the
+authors' first round has no negative at all, also of zero gradient).
 
 The loss is an ``Objective`` with w^t and w_i^{prev} as its per-client data, so MOON runs on both executors.
 
@@ -52,7 +61,7 @@ class MOON(Algorithm):
     )
     state_dependent_uploads = ("",)
 
-    def __init__(self, mu: float = 5.0, temperature: float = 0.5, local_epochs: int = 1) -> None:
+    def __init__(self, mu: float = 1.0, temperature: float = 0.5, local_epochs: int = 1) -> None:
         super().__init__()
         if mu < 0 or temperature <= 0:
             raise ConfigError(f"MOON needs mu ≥ 0 and temperature > 0, got {mu} and {temperature}")

@@ -37,6 +37,7 @@ from fl_lightning.client import (
     LRSchedulerCallable,
     OptimizerCallable,
     Params,
+    has_batchnorm1d,
     loss_fn_for,
     state_template,
 )
@@ -72,9 +73,9 @@ class FederatedModule(L.LightningModule):
             rounds), kept so that existing configs work; when set, it overrides the trainer's interval.
         eval_last: also evaluate in each of the last ``eval_last`` rounds; the summary's ``last10`` is the
             mean over the last ``eval_last`` evaluations.
-        finetune: optional "+FT" evaluation at the end of training: the summary's ``final`` and ``last10`` (and
-            ``final_ft``) are the fine-tuned result, ``plain_final``/``plain_last10`` the run's own, so X and X+FT
-            come from one training run.
+        finetune: optional "+FT" evaluation at the end of training, under its own names in the summary:
+            ``final_ft`` and ``final_ft_{std,worst10,min}`` beside the plain ``final``, ``last10``, ``best`` and
+            ``final_{std,worst10,min}``, so X and X+FT come from one training run and never share a name.
         client_dropout: simulated faults: probability that a sampled client fails before reporting.
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
@@ -94,6 +95,9 @@ class FederatedModule(L.LightningModule):
             ``FedAdagrad`` in ``fl_lightning.server_optimizers``, any ``torch.optim`` class; ``configs/server/``);
             it then replaces ``server_lr`` and ``server_momentum``. ``LearningRateMonitor`` logs ``lr/server`` and
             ``lr/client``.
+        drop_last: skip every client minibatch of fewer than ``batch_size`` samples in local training and
+            fine-tuning (``DataLoader(drop_last=True)``, as e.g. the FedProto authors' code); off, every sample
+            trains, except that a 1-sample minibatch of a ``BatchNorm1d`` network is skipped (said once).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -122,6 +126,7 @@ class FederatedModule(L.LightningModule):
         keep_client_optimizer_state: bool = False,
         server_optimizer: OptimizerCallable | None = None,
         server_lr_schedule: LRSchedulerCallable | None = None,
+        drop_last: bool = False,
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
@@ -133,8 +138,13 @@ class FederatedModule(L.LightningModule):
         self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
+        if batch_size < 2 and has_batchnorm1d(network):
+            raise ConfigError(
+                f"model.batch_size {batch_size} with a BatchNorm1d network: BatchNorm cannot train on one sample; "
+                "use a batch size of at least 2"
+            )
         self.client_optimizer = ClientOptimizer.from_config(
-            client_optimizer, lr, momentum, weight_decay, batch_size, decay_bias
+            client_optimizer, lr, momentum, weight_decay, batch_size, decay_bias, drop_last
         )
         self.round_optimizers = RoundOptimizers(
             self.client_optimizer, server_optimizer, server_lr, server_momentum, server_lr_schedule, client_lr_schedule
@@ -148,7 +158,7 @@ class FederatedModule(L.LightningModule):
         self.last_evaluation: ClientEvaluation | None = None  #: per-client numbers of the latest evaluation
         self.summary: dict[str, Any] = {}  #: the run's result row, set at the end of fit
         self.rounds_trained = 0  #: rounds whose update is in the global model (restored from checkpoints)
-        self.final_clients: ClientEvaluation | None = None  #: the per-client numbers behind the summary's final
+        self.final_clients: ClientEvaluation | None = None  #: per-client numbers behind final (final_ft with "+FT")
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
         self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
@@ -398,6 +408,8 @@ class FederatedModule(L.LightningModule):
             "upload_bytes": self.upload_bytes,
             "metric": key.split("/")[1].replace("_mean", ""),
         }
+        if self.fed.num_classes is not None:
+            summary["classes"] = self.fed.num_classes  # chance accuracy is 1/classes (the report flags a collapse)
         if "val/dist_B" in last:
             summary["dist_B"] = last["val/dist_B"]
         end = self._end_evaluations(self.rounds_trained - 1, split=self.validation_split)
@@ -405,15 +417,16 @@ class FederatedModule(L.LightningModule):
             if f"final/new_clients_{name}" in end:
                 summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
         self.final_clients = self.last_evaluation
+        # final, last10, best and final_{std,worst10,min} are always the plain run's; X+FT is an evaluation of the
+        # same run, kept under its own names (final_ft, final_ft_{std,worst10,min}), so no table mixes the two
+        figures = [("final", self.last_evaluation)]
         if "final/acc_ft" in end:
-            # X+FT is an evaluation of the same run: the fine-tuned result leads, the plain one stays beside it
-            summary["plain_final"], summary["plain_last10"] = summary["final"], summary["last10"]
-            summary["final"] = summary["last10"] = summary["final_ft"] = end["final/acc_ft"]
-            self.final_clients = self.finetuned_clients
-        if self.final_clients is not None and self.final_clients.round == self.rounds_trained - 1:
-            summary.update(
-                {f"final_{k.split('_', 1)[1]}": v for k, v in self.final_clients.spread(lower_is_better).items()}
-            )
+            summary["final_ft"] = end["final/acc_ft"]
+            figures.append(("final_ft", self.finetuned_clients))
+            self.final_clients = self.finetuned_clients  # clients.csv: the per-client numbers of the "+FT" result
+        for name, clients in figures:
+            if clients is not None and clients.round == self.rounds_trained - 1:
+                summary.update({f"{name}_{k.split('_', 1)[1]}": v for k, v in clients.spread(lower_is_better).items()})
         if end:
             for logger in self.loggers:
                 logger.log_metrics(end, step=self.rounds_trained - 1)

@@ -577,7 +577,7 @@ class VectorizedContext:
         *,
         gradient: Gradient | None = None,
         batch_size: int | None = None,
-        min_batch: int = 1,
+        min_batch: int | None = None,
         objective: Objective | None = None,
     ) -> Params:
         """``ClientContext.sgd`` for every client at once (same batches, same steps, same result). Parameters it
@@ -596,6 +596,7 @@ class VectorizedContext:
         rule = batched_rule(self.optimizer)
         trainable = list(trainable)
         bs = batch_size or self.optimizer.batch_size
+        min_batch = self.optimizer.min_batch(bs, self.net) if min_batch is None else min_batch  # drop_last
         phase = _Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
         if rule is None:
             name = factory_name(self.optimizer.factory)

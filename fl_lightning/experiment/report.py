@@ -12,14 +12,17 @@ import io
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fl_lightning.experiment.collect import RunResult
-from fl_lightning.results import record
+from fl_lightning.results import FINETUNED, finetuned_figure, record, reported_figure
 
-NOT_ACCURACY = ("loss", "bytes", "wall", "rounds", "mse", "dist", "samples", "seconds")
+NOT_ACCURACY = ("loss", "bytes", "wall", "rounds", "mse", "dist", "samples", "seconds", "classes")
+#: a run is "at chance" when its mean client accuracy is within this fraction of the way from chance to 1
+AT_CHANCE_MARGIN = 0.05
+LOCAL_ONLY = "LocalOnly"
 MAIN_FIGURES = ("final", "last10", "best")
 FORMATS = ("md", "csv", "latex")
 
@@ -75,26 +78,40 @@ class Table:
     by: list[str]
     metrics: list[str]
     rows: list[tuple[tuple[str, ...], dict[str, Cell], int]]  # (labels, metric -> cell, runs in the group)
+    flags: dict[tuple[str, ...], str] = field(default_factory=dict)  # labels -> what is wrong with the group
 
     def headers(self) -> list[str]:
         out = list(self.by)
         for m in self.metrics:
             percent = any(cells[m].percent for _, cells, _ in self.rows if m in cells)
             out.append(f"{m} ({'%, ' if percent else ''}mean ± std)")
-        return [*out, "n"]
+        return [*out, *(["flags"] if self.flags else []), "n"]
 
     def note(self) -> str:
-        return (
+        text = (
             "mean ± sample std over the runs of each group (its seeds), n = number of runs; "
             "accuracies in percent here, fractions in metrics.csv / summary.json / W&B / results.json"
         )
+        if any(FINETUNED in m for m in self.metrics):
+            text += "; final/last10/best are the plain runs', final_ft* their \"+FT\" evaluation (once, at the end)"
+        if self.flags:
+            text += (
+                f"; flags: 'at chance' = a run's mean client accuracy (last10) within {AT_CHANCE_MARGIN:.0%} of the "
+                f"way from chance (1/classes) to 1, a collapse, not the method's result; 'below Local-only' = the "
+                f"first figure under that of Local-only with the same other labels"
+            )
+        return text
+
+    def _flag(self, labels: tuple[str, ...]) -> list[str]:
+        return [self.flags.get(labels, "")] if self.flags else []
 
     def formatted(self, fmt: str = "md") -> str:
         if fmt not in FORMATS:
             raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
         if fmt == "csv":
             return self._csv()
-        cells = [[*labels, *(self._cell(cells.get(m), latex=fmt == "latex") for m in self.metrics), str(n)]
+        cells = [[*labels, *(self._cell(cells.get(m), latex=fmt == "latex") for m in self.metrics),
+                  *self._flag(labels), str(n)]
                  for labels, cells, n in self.rows]  # fmt: skip
         headers = self.headers()
         if fmt == "latex":
@@ -130,13 +147,13 @@ class Table:
         for m in self.metrics:
             unit = " (%)" if any(cells[m].percent for _, cells, _ in self.rows if m in cells) else ""
             head += [f"{m} mean{unit}", f"{m} std{unit}"]
-        w.writerow([*head, "n"])
+        w.writerow([*head, *(["flags"] if self.flags else []), "n"])
         for labels, cells, n in self.rows:
             row: list[Any] = list(labels)
             for m in self.metrics:
                 c = cells.get(m)
                 row += ["", ""] if c is None else [_num(c.scaled(c.mean), 6), _num(c.scaled(c.std), 6)]
-            w.writerow([*row, n])
+            w.writerow([*row, *self._flag(labels), n])
         return buf.getvalue().rstrip("\n")
 
 
@@ -152,8 +169,11 @@ def make_table(
     results: Sequence[RunResult], by: Sequence[str] | None = None, metrics: Sequence[str] = ("last10",)
 ) -> Table:
     """Group ``results`` by the labels of ``by`` (default: every axis but the seed) and average each summary
-    figure in ``metrics`` over the runs of each group. Groups keep the order in which runs first name them."""
+    figure in ``metrics`` over the runs of each group. Groups keep the order in which runs first name them.
+    When some run has a "+FT" result, each figure's "+FT" counterpart (``final_ft``, ``final_ft_worst10``, …) is
+    its own column: ``final``/``last10``/``best`` are always the plain run's, so no column mixes the two."""
     by = list(by) if by else default_by(results)
+    metrics = with_finetuned(results, metrics)
     groups: dict[tuple[str, ...], list[RunResult]] = {}
     for r in results:
         groups.setdefault(r.key(by), []).append(r)
@@ -165,7 +185,56 @@ def make_table(
             values = [v for v in values if not math.isnan(v)]
             cells[m] = Cell(values, all(is_accuracy(m, r.metric) for r in runs))
         rows.append((labels, cells, len(runs)))
-    return Table(by, list(metrics), rows)
+    return Table(by, list(metrics), rows, collapse_flags(groups, by, metrics[0] if metrics else "last10"))
+
+
+def at_chance(run: RunResult) -> bool:
+    """Whether the run's mean client accuracy (``last10``, else ``final``; the plain run) is at chance: within
+    ``AT_CHANCE_MARGIN`` of the way from 1/classes to 1. Unknown (False) without ``classes`` in the summary."""
+    classes, value = run.summary.get("classes"), run.summary.get("last10", run.summary.get("final"))
+    if run.metric != "acc" or not isinstance(classes, int) or classes < 2 or not isinstance(value, (int, float)):
+        return False
+    chance = 1.0 / classes
+    return float(value) < chance + AT_CHANCE_MARGIN * (1.0 - chance)
+
+
+def collapse_flags(groups: dict[tuple[str, ...], list[RunResult]], by: Sequence[str], key: str) -> dict:
+    """What to say beside a group's numbers: runs at chance (``at_chance``), and a mean ``key`` (the "+FT" figure
+    for a "+FT" run, ``reported_figure``) below that of the Local-only group with the same labels on every other
+    axis of ``by``; "" when nothing."""
+    def mean_of(runs: list[RunResult]) -> float:
+        values = [reported_figure(r.summary, key) for r in runs if isinstance(r.summary.get(key), (int, float))]
+        return statistics.fmean(values) if values else math.nan
+
+    local = {k: runs for k, runs in groups.items() if all(r.summary.get("algorithm") == LOCAL_ONLY for r in runs)}
+    lower_is_better = any(r.metric != "acc" for runs in groups.values() for r in runs)
+    flags = {}
+    for labels, runs in groups.items():
+        out = []
+        collapsed = sum(at_chance(r) for r in runs)
+        if collapsed:
+            out.append(f"at chance ({collapsed}/{len(runs)} runs)")
+        if labels not in local and not lower_is_better:
+            for local_labels, local_runs in local.items():
+                differ = [a for a, x, y in zip(by, labels, local_labels) if x != y]
+                mine, theirs = mean_of(runs), mean_of(local_runs)
+                if differ and all(a == "method" for a in differ) and mine < theirs:
+                    scale = 100 if is_accuracy(key, runs[0].metric) else 1
+                    out.append(f"below Local-only ({scale * mine:.2f} < {scale * theirs:.2f})")
+        if out:
+            flags[labels] = "; ".join(out)
+    return flags
+
+
+def with_finetuned(results: Sequence[RunResult], metrics: Sequence[str]) -> list[str]:
+    """``metrics``, each followed by its "+FT" counterpart when some run has a "+FT" result (once each)."""
+    out = list(dict.fromkeys(metrics))
+    if any(FINETUNED in r.summary for r in results):
+        for m in metrics:
+            ft = finetuned_figure(m)
+            if ft is not None and ft not in out:
+                out.insert(out.index(m) + 1, ft)
+    return out
 
 
 def results_records(results: Sequence[RunResult], table: Table | None = None) -> list[dict[str, Any]]:

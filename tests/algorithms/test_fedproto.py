@@ -175,7 +175,7 @@ def np_objective(p: dict[str, Tensor], x: Tensor, y: Tensor, side: np.ndarray, k
     z = logits - logits.max(1, keepdims=True)
     logp = z - np.log(np.exp(z).sum(1, keepdims=True))
     ce = -logp[np.arange(len(y)), y.numpy()].mean()
-    dist = ((f - PROTOS[y.numpy()]) ** 2).sum(1) * known[y.numpy()]
+    dist = ((f - PROTOS[y.numpy()]) ** 2).mean(1) * known[y.numpy()]  # nn.MSELoss: mean over features too
     return float(ce + lam * dist.mean())
 
 
@@ -207,7 +207,7 @@ def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: f
     logits = f @ leaves["head.weight"].T + leaves["head.bias"]
     protos = torch.tensor(PROTOS, dtype=torch.float64)
     ref = -torch.log_softmax(logits, 1)[torch.arange(5), y].mean() + lam * (
-        ((f - protos[y]) ** 2).sum(1) * known[y]
+        ((f - protos[y]) ** 2).mean(1) * known[y]
     ).mean()
     grads = torch.autograd.grad(ref, list(leaves.values()))
     assert_close_finite(float(up.loss), np_objective(p, x, y, np.zeros((1, H)), known.numpy(), lam))

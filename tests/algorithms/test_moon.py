@@ -73,12 +73,14 @@ def test_moon_without_the_contrastive_term_is_fedavg():
     assert_matches(moon.global_params(), fedavg.global_params(), moon.init, tol=1e-6)
 
 
-def test_moon_defaults_are_the_cifar10_settings():
-    algo = MOON()
-    assert (algo.mu, algo.temperature, algo.local_epochs) == (5.0, 0.5, 1)
 
 
 def test_moon_refuses_a_network_without_body_and_says_why():
     why = r"\(a SplitModel\): its contrastive loss compares the body's representations;"
     with pytest.raises(ConfigError, match=why):
         MOON().check_compatible(nn.Linear(2, 2), 2)
+
+
+def test_moon_defaults_are_the_authors_main_py_defaults():
+    algo = MOON()
+    assert (algo.mu, algo.temperature, algo.local_epochs) == (1.0, 0.5, 1)

@@ -62,7 +62,7 @@ def test_finetune_moves_only_the_head_for_the_configured_epochs(executor):
     result = module.evaluate_clients(1, finetune=module.finetune)
     assert all(torch.equal(p, trained[n]) for n, p in module.net.named_parameters())
     assert module.summary["algorithm"] == "FedProx+FT"
-    assert module.summary["final"] == pytest.approx(float(result["acc_mean"]), abs=1e-12)
+    assert module.summary["final_ft"] == pytest.approx(float(result["acc_mean"]), abs=1e-12)  # "+FT" (issue 31)
 
     def reference(client, head_epochs, trainable=("head.",)):
         net = copy.deepcopy(module.net)

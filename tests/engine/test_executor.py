@@ -222,7 +222,7 @@ def test_auto_equals_sequential(name: str, network: str, caplog: pytest.LogCaptu
         keys = sorted(reference[part])
         assert_close_finite([auto[part][k] for k in keys], [reference[part][k] for k in keys], rtol=1e-5, atol=1e-5)
     assert {"test/acc_mean", "test/acc_ft", "test/new_clients_acc"} <= set(reference["test"])
-    summary_keys = ("final", "last10", "final_ft", "plain_final", "new_clients_acc", "upload_bytes")
+    summary_keys = ("final", "last10", "best", "final_ft", "new_clients_acc", "upload_bytes")
     assert_close_finite([fast.summary[k] for k in summary_keys], [seq.summary[k] for k in summary_keys], rtol=1e-5,
                         atol=1e-5)  # fmt: skip
 

@@ -392,6 +392,7 @@ def test_hyperparameters_leave_out_objects_and_optimizer_factories() -> None:
         "straggler_budget",
         "executor",
         "keep_client_optimizer_state",
+        "drop_last",
     }
     assert set(module.hparams) == expected
     assert module.hparams["lr"] == 0.01 and module.hparams["batch_size"] == 10
@@ -483,8 +484,8 @@ def test_checkpoint_of_a_fresh_module_has_no_bytes_and_no_time() -> None:
 
 
 def test_vectorized_fallback_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
-    module = FederatedModule(FedAvg(1), net, executor="vectorized")
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    module = FederatedModule(_Inherits(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
         assert decide(module, 2).stacked is False
         assert decide(module, 2).stacked is False
@@ -807,33 +808,6 @@ def test_summary_leaves_out_a_stale_final_spread() -> None:
     assert module.summary["final"] == 0.60
 
 
-def test_summary_with_finetune_leads_with_the_finetuned_result() -> None:
-    ft_acc = [1.0, 0.5, 0.5, 1.0]
-    ft = last_evaluation(5, acc=ft_acc)
-    module = make_module(finetune=FineTune(epochs=1), eval_last=2)
-    module.fed, module.history, module.rounds_trained = digits_fed_2(val=True), acc_history(), 6
-    module.last_evaluation = last_evaluation(5)
-    logger = SimpleNamespace(log_metrics=Recorder())
-    with_trainer(module, loggers=[logger])
-    end = {"final/acc_ft": 0.875, "final/new_clients_acc": 0.625}
-
-    def end_evaluations(round_idx: int, split: str) -> dict[str, float]:
-        module.finetuned_clients = ft
-        assert (round_idx, split) == (5, "val")
-        return dict(end)
-
-    module._end_evaluations = end_evaluations
-    module.on_train_end()
-    s = module.summary
-    assert s["algorithm"] == "FedAvg+FT"
-    assert s["plain_final"] == 0.60
-    assert_close_finite(s["plain_last10"], (0.50 + 0.60) / 2)
-    assert s["final"] == s["last10"] == s["final_ft"] == 0.875
-    assert s["new_clients_acc"] == 0.625
-    assert module.final_clients is ft
-    assert_close_finite(s["final_std"], population_std(ft_acc))
-    assert s["final_min"] == 0.5
-    assert logger.log_metrics.calls == [((end,), {"step": 5})]
 
 
 def test_summary_names_the_new_clients_error_of_a_regression_run() -> None:
@@ -1758,10 +1732,43 @@ def test_a_subclass_must_declare_vectorizable_itself_and_the_fallback_is_logged_
     ]
 
 
-def test_batchnorm_network_falls_back_with_its_reason(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_batchnorm_network_trains_stacked_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Per-client BatchNorm statistics are stacked (``client.FunctionalBatchNorm``): no fallback in training."""
     net = nn.Sequential(nn.Linear(64, 4), nn.BatchNorm1d(4), nn.Linear(4, 10))
     module = FederatedModule(FedAvg(1), net, executor="vectorized")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        assert decide(module, 2).stacked is False
-        assert decide(module, 2).stacked is False
-    assert _warnings(caplog) == ["executor 'vectorized' falls back to 'sequential': the network has BatchNorm layers"]
+        assert decide(module, 2).stacked is True
+    assert _warnings(caplog) == []
+
+
+def test_summary_with_finetune_keeps_the_plain_and_finetuned_figures_apart() -> None:
+    """Issue 31: final/last10/best and final_{std,worst10,min} stay the plain run's; "+FT" is final_ft(_*)."""
+    ft_acc = [1.0, 0.5, 0.5, 1.0]
+    ft = last_evaluation(5, acc=ft_acc)
+    module = make_module(finetune=FineTune(epochs=1), eval_last=2)
+    module.fed, module.history, module.rounds_trained = digits_fed_2(val=True), acc_history(), 6
+    module.last_evaluation = last_evaluation(5)
+    logger = SimpleNamespace(log_metrics=Recorder())
+    with_trainer(module, loggers=[logger])
+    end = {"final/acc_ft": 0.875, "final/new_clients_acc": 0.625}
+
+    def end_evaluations(round_idx: int, split: str) -> dict[str, float]:
+        module.finetuned_clients = ft
+        assert (round_idx, split) == (5, "val")
+        return dict(end)
+
+    module._end_evaluations = end_evaluations
+    module.on_train_end()
+    s = module.summary
+    assert s["algorithm"] == "FedAvg+FT"
+    assert s["final"] == 0.60 and s["best"] == 0.80
+    assert_close_finite(s["last10"], (0.50 + 0.60) / 2)
+    assert s["final_ft"] == 0.875
+    assert "plain_final" not in s and "plain_last10" not in s
+    assert s["new_clients_acc"] == 0.625
+    assert module.final_clients is ft
+    assert_close_finite(s["final_std"], population_std(ACC))  # the plain last evaluation's clients
+    assert s["final_min"] == 0.25
+    assert_close_finite(s["final_ft_std"], population_std(ft_acc))  # the fine-tuned clients
+    assert s["final_ft_min"] == 0.5
+    assert logger.log_metrics.calls == [((end,), {"step": 5})]

@@ -82,14 +82,14 @@ def mean_of(dicts, weights=None):
 
 # ---- FedProto ----------------------------------------------------------------------------------------------------
 def fedproto_train(model, x, y, prototypes, known, lam, epochs, seen=None):
-    """CE + λ·mean_b ‖φ(x_b) − C̄^(y_b)‖² (only samples whose class has a global prototype) by SGD, in place; each
-    epoch's (full-batch) features φ(x) appended to ``seen``."""
+    """CE + λ·mean_{b,k} (φ(x_b) − C̄^(y_b))²_k (nn.MSELoss; zero for samples whose class has no global prototype)
+    by SGD, in place; each epoch's (full-batch) features φ(x) appended to ``seen``."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for _ in range(epochs):
         z = model.body(x)
         if seen is not None:
             seen.append(z.detach())
-        distance = ((z - prototypes[y]) ** 2).sum(1) * known[y].float()
+        distance = ((z - prototypes[y]) ** 2).mean(1) * known[y].float()
         loss = F.cross_entropy(model.head(z), y) + lam * distance.mean()
         opt.zero_grad()
         loss.backward()

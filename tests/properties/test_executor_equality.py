@@ -275,7 +275,7 @@ def test_finetune_evaluation_is_the_same_on_both_paths():
 
     seq, vec = run("sequential"), run("vectorized")
     assert abs(seq["final_ft"] - vec["final_ft"]) < 1e-6 and abs(seq["final"] - vec["final"]) < 1e-6
-    assert seq["final_ft"] != seq["plain_final"]  # one training run carries both the plain and the "+FT" result
+    assert seq["final_ft"] != seq["final"]  # one training run carries both the plain and the "+FT" result
 
 
 def test_fast_evaluation_computes_body_features_once_not_per_client():

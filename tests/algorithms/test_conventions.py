@@ -1,0 +1,517 @@
+"""Each algorithm's convention pinned to its authors' code (issue 31): the reductions of the local objective, the
+hyper-parameter defaults in the authors' units. The references are written here from the authors' formulas (their
+file is named in each test), never from our code."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from fl_lightning.algorithms import (
+    APFL,
+    L2GD,
+    MOON,
+    SCAFFOLD,
+    Ditto,
+    FedALA,
+    FedAvg,
+    FedBN,
+    FedDyn,
+    FedMTL,
+    FedPer,
+    FedProto,
+    FedProx,
+    FedRep,
+    FedRoD,
+    LGFedAvg,
+    LocalOnly,
+    PerFedAvg,
+    PFedMe,
+)
+from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.models.split import SplitModel
+from tests.helpers.asserts import assert_close_finite
+
+IN, FEAT, CLASSES, BATCH = 5, 8, 4, 6
+
+
+def split_net() -> SplitModel:
+    torch.manual_seed(3)
+    return SplitModel(nn.Sequential(nn.Linear(IN, FEAT), nn.ReLU()), nn.Linear(FEAT, CLASSES)).double()
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(BATCH, IN, generator=g, dtype=torch.float64), torch.tensor([0, 1, 3, 3, 0, 2])
+
+
+def params_of(net: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone().requires_grad_(True) for n, p in net.named_parameters()}
+
+
+def context(net: nn.Module, x: Tensor, y: Tensor) -> ClientContext:
+    return ClientContext(net, 0, x, y, None, ClientOptimizer(), F.cross_entropy, make_generator(0, "conv"))
+
+
+# ---- FedProto: yuetan031/FedProto lib/update.py, LocalUpdate.update_weights_het ---------------------------------
+def fedproto_authors_loss(net: SplitModel, x: Tensor, y: Tensor, global_protos: dict[int, Tensor], ld: float) -> Tensor:
+    """Their loop: proto_new = protos.data with the global prototype put in the rows of known labels, then
+    loss1 + ld · nn.MSELoss()(proto_new, protos); the MSE written out as Σ(·)² / (batch · features)."""
+    protos = net.body(x)
+    loss1 = F.cross_entropy(net.head(protos), y)
+    proto_new = protos.detach().clone()
+    for i, label in enumerate(y.tolist()):
+        if label in global_protos:
+            proto_new[i, :] = global_protos[label]
+    loss2 = ((proto_new - protos) ** 2).sum() / (protos.shape[0] * protos.shape[1])
+    assert torch.allclose(loss2, nn.MSELoss()(proto_new, protos))  # the by-hand mean is torch's default reduction
+    return loss1 + loss2 * ld
+
+
+def test_fedproto_lambda_is_the_authors_ld_mse_over_batch_and_features() -> None:
+    net, (x, y) = split_net(), batch()
+    g = torch.Generator().manual_seed(1)
+    prototypes = torch.randn(CLASSES, FEAT, generator=g, dtype=torch.float64)
+    counts = torch.tensor([3.0, 0.0, 2.0, 5.0], dtype=torch.float64)  # class 1 has no global prototype yet
+    alg = FedProto(lam=1.0)
+    alg.global_prototypes, alg.prototype_counts = prototypes, counts
+    p = params_of(net)
+    ours = alg.objective(context(net, x, y)).losses(p, x, y)[0].mean()  # the minibatch loss: the per-sample mean
+    known = {j: prototypes[j] for j in range(CLASSES) if counts[j] > 0}
+    theirs = fedproto_authors_loss(net, x, y, known, ld=1.0)
+    assert_close_finite(ours.detach(), theirs.detach())
+    ours_grads = torch.autograd.grad(ours, list(p.values()))
+    theirs_grads = torch.autograd.grad(theirs, list(net.parameters()))
+    for a, b in zip(ours_grads, theirs_grads):
+        assert_close_finite(a, b)
+
+
+def test_fedproto_default_lambda_is_the_authors_ld() -> None:
+    assert FedProto().lam == 1.0  # lib/options.py: --ld default 1
+
+
+# ---- MOON: QinbinLi/MOON main.py, train_net_fedcon ---------------------------------------------------------------
+def moon_authors_loss(net: SplitModel, glob: SplitModel, prev: SplitModel, x: Tensor, y: Tensor, mu: float,
+                      temperature: float) -> Tensor:
+    """Their loop: logits = [cos(pro1, pro2), cos(pro1, pro3)] / τ, loss2 = mu · CE(logits, 0), loss1 = CE(out, y),
+    every CE the batch mean of nn.CrossEntropyLoss; written out here with exp/log."""
+    pro1 = net.body(x)
+    with torch.no_grad():
+        pro2, pro3 = glob.body(x), prev.body(x)
+
+    def cos(a: Tensor, b: Tensor) -> Tensor:
+        return (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-8)
+
+    logits = torch.stack([cos(pro1, pro2), cos(pro1, pro3)], 1) / temperature
+    loss2 = mu * (-(logits[:, 0] - torch.log(torch.exp(logits).sum(1)))).mean()
+    out = net.head(pro1)
+    loss1 = (-(out[torch.arange(len(y)), y] - torch.log(torch.exp(out).sum(1)))).mean()
+    return loss1 + loss2
+
+
+def perturbed(net: SplitModel, seed: int) -> SplitModel:
+    other = split_net()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
+
+
+def test_moon_objective_is_the_authors_batch_mean_contrastive_cross_entropy() -> None:
+    net, (x, y) = split_net(), batch()
+    glob, prev = perturbed(net, 1), perturbed(net, 2)
+    mu, temperature = 2.5, 0.3
+    alg = MOON(mu=mu, temperature=temperature)
+    p = params_of(net)
+    g_params = {n: t.detach() for n, t in glob.named_parameters()}
+    prev_params = {n: t.detach() for n, t in prev.named_parameters()}
+    ours = alg.objective(context(net, x, y), g_params, prev_params).losses(p, x, y)[0].mean()
+    theirs = moon_authors_loss(net, glob, prev, x, y, mu, temperature)
+    assert_close_finite(ours.detach(), theirs.detach())
+    for a, b in zip(torch.autograd.grad(ours, list(p.values())), torch.autograd.grad(theirs, list(net.parameters()))):
+        assert_close_finite(a, b)
+
+
+def test_moon_defaults_are_the_authors_main_py_defaults() -> None:
+    alg = MOON()
+    assert (alg.mu, alg.temperature) == (1.0, 0.5)  # main.py: --mu default 1, --temperature default 0.5
+
+
+# ---- FedBABU: jhoon-oh/FedBABU analysis.ipynb (personalisation), models/Update.py, main_fed.py --------------------
+def test_fedbabu_configs_fine_tune_the_whole_model_for_five_epochs_as_the_authors_notebook() -> None:
+    """analysis.ipynb: personalization_epoch = 5; one SGD optimizer over body_params and head_params at one lr."""
+    import yaml
+
+    for path in ("configs/digits/fedbabu.yaml", "configs/methods/fedbabu.yaml"):
+        model = yaml.safe_load(open(path))["model"]
+        for key in ("finetune", "new_client_finetune"):
+            assert model[key] == {"epochs": 5, "prefixes": [""]}, (path, key)
+
+
+
+# ---- FedProx: litian96/FedProx flearn/optimizer/pgd.py (PerturbedGradientDescent), flearn/trainers/fedbase.py ------
+# ---- Ditto: litian96/ditto flearn/trainers_MTL/ditto.py (the personal step) -----------------------------------------
+def random_params(seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"body.w": torch.randn(3, 4, generator=g, dtype=torch.float64),
+            "head.b": torch.randn(2, generator=g, dtype=torch.float64)}  # fmt: skip
+
+
+def test_fedprox_and_ditto_proximal_gradients_are_the_authors_effective_gradients() -> None:
+    """FedProx's PGD step is w − lr·(∇f + μ(w − w*)); Ditto's personal step v − lr·(∇f + λ(v − w^t)): the
+    gradient of the added term is μ(w − w*) per coordinate (½·μ·Σ over every parameter, nothing averaged)."""
+    w, anchor = random_params(1), random_params(2)
+    for alg, coef in ((FedProx(mu=0.3), 0.3), (Ditto(lam=0.75), 0.75)):
+        grads = torch.func.grad(lambda p, a=alg: a.proximal(p, anchor))(w)
+        for n in w:
+            assert_close_finite(grads[n], coef * (w[n] - anchor[n]))
+
+
+# ---- pFedMe: CharlieDinh/pFedMe FLAlgorithms/optimizers/fedoptimizer.py (pFedMeOptimizer.step),
+#      FLAlgorithms/users/userpFedMe.py (train) -----------------------------------------------------------------------
+def test_pfedme_personal_and_local_steps_are_the_authors() -> None:
+    """K steps θ ← θ − plr·(∇f(θ; D) + λ(θ − w)) (their optimizer, mu = 0), then w ← w − λ·η·(w − θ̃); one local
+    round on one minibatch holding all the client's data (the CE mean does not depend on the shuffle)."""
+    net, (x, y) = split_net(), batch()
+    lam, plr, eta, k = 15.0, 0.09, 0.005, 5
+    alg = PFedMe(lam=lam, personal_lr=plr, inner_steps=k, local_steps=1)
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    opt = ClientOptimizer(lr=eta, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "pfedme"))
+    up = alg.client_update(ctx, w0, alg.init_client_state(w0))
+
+    theta = {n: t.clone() for n, t in w0.items()}
+    for _ in range(k):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in theta.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        theta = {n: theta[n] - plr * (g + lam * (theta[n] - w0[n])) for n, g in zip(theta, grads)}
+    for n in w0:
+        assert_close_finite(up.upload[n], w0[n] - lam * eta * (w0[n] - theta[n]))
+        assert_close_finite(up.state["theta." + n], theta[n])
+
+
+# ---- FedDyn: alpemreacar/FedDyn utils_general.py (train_feddyn_mdl), utils_methods.py (train_FedDyn) ---------------
+def test_feddyn_local_step_and_state_are_the_authors() -> None:
+    """Their local loss L_i(θ) + α⟨θ, −θ^{t−1} + λ_i⟩ with SGD weight decay α (so + α/2‖θ‖²), λ_i = Σ of the
+    client's past Δθ_i; after training λ_i += θ_i − θ^{t−1}. Ours keeps g_i = −α·λ_i: the same step and state."""
+    net, (x, y) = split_net(), batch()
+    alpha, lr = 0.1, 0.2
+    theta0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedDyn(alpha=alpha)
+    alg.check_compatible(net, CLASSES)
+    alg.setup(theta0, 4)
+    past = random_like(theta0, 5)  # λ_i
+    state = {"grad." + n: -alpha * past[n] for n in theta0}
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "feddyn"))
+    up = alg.client_update(ctx, theta0, state)
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in theta0.items()}
+    loss_f = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+    loss_algo = alpha * sum((leaves[n] * (-theta0[n] + past[n])).sum() for n in leaves)
+    grads = torch.autograd.grad(loss_f + loss_algo, list(leaves.values()))
+    theta1 = {n: theta0[n] - lr * (g + alpha * theta0[n]) for n, g in zip(theta0, grads)}  # + weight decay α·θ
+    for n in theta0:
+        assert_close_finite(up.upload["delta." + n], theta1[n] - theta0[n])
+        assert_close_finite(up.state["grad." + n], -alpha * (past[n] + theta1[n] - theta0[n]))
+
+
+def random_like(params: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in params.items()}
+
+
+# ---- FedBN: med-air/FedBN federated/fed_digits.py (communication) ---------------------------------------------------
+def test_fedbn_keeps_local_exactly_the_keys_the_authors_do_not_average() -> None:
+    """Their server averages every state_dict key without 'bn' in its name (their BN layers are named bn*): BN
+    weight, bias, running mean/var and batch count stay local. Ours finds the BN layers by their buffers."""
+    from fl_lightning.models import DigitsCNN
+
+    net = DigitsCNN(batchnorm=True)
+    params = dict(net.state_dict())
+    alg = FedBN()
+    alg.setup(params, 4)
+    ours = {k for k in params if any(k.startswith(p) for p in alg.personal)}
+    assert ours == {k for k in params if "bn" in k} and len(ours) == 10
+
+
+# ---- FedRep: lgcollins/FedRep models/Update.py (LocalUpdate.train), main_fedrep.py, scripts/FedRep_cifar10_2shards.sh
+def test_fedrep_local_update_is_the_authors_head_then_body_loop() -> None:
+    """Their loop: one SGD(momentum 0.5; weight decay 1e-4 on weights, 0 on biases) over the model; the first
+    local_ep − local_rep_ep epochs train the head only, the last local_rep_ep the body only (batch-mean CE)."""
+    import copy
+
+    net, (x, y) = split_net(), batch()
+    lr, head_epochs = 0.1, 3
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedRep(head_epochs=head_epochs, body_epochs=1)
+    opt = ClientOptimizer(lr=lr, momentum=0.5, weight_decay=1e-4, batch_size=BATCH, decay_bias=False)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "fedrep"))
+    up = alg.client_update(ctx, glob, alg.init_client_state(glob))
+
+    ref = copy.deepcopy(net)
+    bias_p = [p for n, p in ref.named_parameters() if "bias" in n]
+    weight_p = [p for n, p in ref.named_parameters() if "bias" not in n]
+    sgd = torch.optim.SGD([{"params": weight_p, "weight_decay": 1e-4}, {"params": bias_p, "weight_decay": 0}],
+                          lr=lr, momentum=0.5)  # fmt: skip
+    for epoch in range(head_epochs + 1):
+        for name, p in ref.named_parameters():
+            p.requires_grad = name.startswith("head.") == (epoch < head_epochs)
+        ref.zero_grad(set_to_none=True)
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        sgd.step()
+    final = dict(ref.named_parameters())
+    assert sorted(up.upload) == ["body.0.bias", "body.0.weight"] and sorted(up.state) == ["head.bias", "head.weight"]
+    for n, t in final.items():
+        assert_close_finite(up.upload[n] if n.startswith("body.") else up.state[n], t.detach())
+
+
+# ---- LG-FedAvg: pliang279/LG-FedAvg models/Update.py (LocalUpdate.train), main_lg.py -------------------------------
+def test_lg_fedavg_trains_jointly_and_uploads_only_the_global_layers() -> None:
+    """Their client: one SGD(momentum 0.5) over net.parameters() (batch-mean CE); the server averages only
+    w_glob_keys (the top layers) and every client keeps its own lower layers."""
+    import copy
+
+    net, (x, y) = split_net(), batch()
+    lr = 0.1
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = LGFedAvg(local_epochs=2, personal=("body.",))
+    state = alg.init_client_state(glob)
+    opt = ClientOptimizer(lr=lr, momentum=0.5, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "lg"))
+    up = alg.client_update(ctx, glob, state)
+
+    ref = copy.deepcopy(net)
+    sgd = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.5)
+    for _ in range(2):
+        sgd.zero_grad()
+        nn.CrossEntropyLoss()(ref(x), y).backward()
+        sgd.step()
+    final = {n: p.detach() for n, p in ref.named_parameters()}
+    assert sorted(up.upload) == ["head.bias", "head.weight"]  # w_glob_keys: the top layer here
+    for n in up.upload:
+        assert_close_finite(up.upload[n], final[n])
+    for n in ("body.0.weight", "body.0.bias"):
+        assert_close_finite(up.state[n], final[n])  # the local layers, trained jointly, kept on the client
+
+
+def test_configs_drop_partial_batches_where_the_authors_loaders_do() -> None:
+    """FedProto (lib/update.py) and MOON (utils.py get_dataloader) train on DataLoader(drop_last=True); FedBABU's
+    and FedRep's loaders keep the partial batch (models/Update.py)."""
+    import yaml
+
+    for method, drop in (("fedproto", True), ("moon", True), ("fedbabu", False), ("fedrep", False)):
+        for folder in ("configs/digits", "configs/methods"):
+            model = yaml.safe_load(open(f"{folder}/{method}.yaml"))["model"]
+            assert model.get("drop_last", False) is drop, (folder, method)
+
+
+# ---- FedRoD: github.com/hongyouc/Fed-RoD holds only a README; the reference is the paper's §4.1–4.2 ---------------
+def test_fedrod_generic_step_is_balanced_softmax_and_personal_step_plain_ce() -> None:
+    """ℓ_BSM = −log softmax(h_G(z) + log π_i)_y moves the body and generic head; ℓ_P = −log softmax(h_G(z).detach()
+    + h_P(z.detach()))_y moves the personal head; both batch means, one plain SGD step each from one forward pass."""
+    net, (x, _) = split_net(), batch()
+    y = torch.tensor([0, 1, 3, 3, 0, 1])  # class 2 absent: log π = −inf, it gets no gradient
+    lr = 0.2
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = FedRoD(local_epochs=1)
+    alg.setup(glob, 4)
+    state = {"p_head." + n: 0.1 * random_like(glob, 9)[n] for n in ("head.weight", "head.bias")}
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "fedrod"))
+    up = alg.client_update(ctx, glob, state)
+
+    leaves = {n: t.clone().requires_grad_(True) for n, t in glob.items()}
+    wp, bp = (state["p_head." + n].clone().requires_grad_(True) for n in ("head.weight", "head.bias"))
+    z = torch.relu(x @ leaves["body.0.weight"].T + leaves["body.0.bias"])
+    generic = z @ leaves["head.weight"].T + leaves["head.bias"]
+    prior = torch.bincount(y, minlength=CLASSES).double() / len(y)
+    bsm = -torch.log_softmax(generic + prior.log(), 1)[torch.arange(len(y)), y].mean()
+    personal = -torch.log_softmax(generic.detach() + z.detach() @ wp.T + bp, 1)[torch.arange(len(y)), y].mean()
+    g_shared = torch.autograd.grad(bsm, list(leaves.values()))
+    g_wp, g_bp = torch.autograd.grad(personal, [wp, bp])
+    for (n, t), g in zip(glob.items(), g_shared):
+        assert_close_finite(up.upload[n], t - lr * g)
+    assert_close_finite(up.state["p_head.head.weight"], state["p_head.head.weight"] - lr * g_wp)
+    assert_close_finite(up.state["p_head.head.bias"], state["p_head.head.bias"] - lr * g_bp)
+
+
+# ---- FedALA: TsingZ0/FedALA system/utils/ALA.py (adaptive_local_aggregation) --------------------------------------
+def test_fedala_weight_step_is_the_authors_clipped_update() -> None:
+    """Their step per batch: W ← clamp(W − η·(∂L/∂θ̂ ⊙ (Θ − θ)), 0, 1) with θ̂ = θ + (Θ − θ) ⊙ W on the top layers,
+    L the batch-mean CE of the model whose lower layers are Θ; here one batch holding every sampled row."""
+    net, (x, y) = split_net(), batch()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    local = {n: t + 0.5 for n, t in random_like(glob, 3).items() if n.startswith("head.")}
+    alg = FedALA(eta=1.5, s=100, p=1)
+    alg.setup(glob, 4)
+    weights = {n: torch.full_like(glob[n], 0.7) for n in local}
+    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(batch_size=BATCH), F.cross_entropy,
+                        make_generator(0, "ala"))  # fmt: skip
+    got = alg.learn_weights(ctx, glob, local, weights, until_converged=False)
+
+    mixed = {n: (local[n] + (glob[n] - local[n]) * weights[n]).requires_grad_(True) for n in local}
+    loss = F.cross_entropy(torch.func.functional_call(net, {**glob, **mixed}, (x,)), y)
+    grads = dict(zip(mixed, torch.autograd.grad(loss, list(mixed.values()))))
+    for n in local:
+        want = torch.clamp(weights[n] - 1.5 * (grads[n] * (glob[n] - local[n])), 0, 1)
+        assert_close_finite(got[n], want)
+
+
+# ---- APFL: the paper's Algorithm 1 (parameter mixing); the authors' MLOPTPSU/FedTorch
+#      fedtorch/comms/trainings/federated/centered/apfl.py mixes the two models' outputs instead -----------------------
+def test_apfl_steps_are_the_papers_parameter_mixture() -> None:
+    """w ← w − η∇f(w; ξ) and v ← v − η∇_v f(αv + (1−α)w; ξ) = v − ηα∇f(v̄; ξ), both at the pre-step (w, v)."""
+    net, (x, y) = split_net(), batch()
+    alpha, lr = 0.25, 0.3
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    v0 = {n: t + 0.2 for n, t in random_like(w0, 4).items()}
+    alg = APFL(alpha=alpha)
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "apfl"))
+    up = alg.client_update(ctx, w0, {"v." + n: t for n, t in v0.items()})
+
+    def grads_at(p: dict[str, Tensor]) -> dict[str, Tensor]:
+        leaves = {n: t.clone().requires_grad_(True) for n, t in p.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+    g_w = grads_at(w0)
+    g_mix = grads_at({n: alpha * v0[n] + (1 - alpha) * w0[n] for n in w0})
+    for n in w0:
+        assert_close_finite(up.upload[n], w0[n] - lr * g_w[n])
+        assert_close_finite(up.state["v." + n], v0[n] - lr * alpha * g_mix[n])
+
+
+# ---- SCAFFOLD: no code released by its authors; the reference is Algorithm 1, option II ---------------------------
+def test_scaffold_local_steps_and_control_variate_are_algorithm_1_option_2() -> None:
+    """K steps y ← y − η(g_i(y) − c_i + c) (g the batch-mean CE gradient), then c_i⁺ = c_i − c + (x − y)/(Kη);
+    uploads Δy = y − x (here: y) and Δc_i = c_i⁺ − c_i."""
+    net, (x, y) = split_net(), batch()
+    lr, k = 0.2, 3
+    x0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = SCAFFOLD(local_epochs=k)
+    alg.setup(x0, 4)
+    c, c_i = random_like(x0, 6), random_like(x0, 7)
+    for n, t in c.items():
+        alg.server_variate()[n].copy_(t)
+    opt = ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH)  # one full batch per epoch: K = epochs
+    ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "scaffold"))
+    up = alg.client_update(ctx, x0, {"c_i." + n: t for n, t in c_i.items()})
+
+    w = {n: t.clone() for n, t in x0.items()}
+    for _ in range(k):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        g = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        w = {n: w[n] - lr * (g[n] - c_i[n] + c[n]) for n in w}
+    for n in x0:
+        c_new = c_i[n] - c[n] + (x0[n] - w[n]) / (k * lr)
+        assert_close_finite(up.upload[n], w[n])
+        assert_close_finite(up.state["c_i." + n], c_new)
+        assert_close_finite(up.upload["delta_c." + n], c_new - c_i[n])
+
+
+# ---- Per-FedAvg: no code released by its authors; the reference is the paper's HF update (Fallah et al. 2020) -----
+def test_perfedavg_meta_gradient_is_the_papers_hessian_free_step() -> None:
+    """w̃ = w − α∇f(w; D), g' = ∇f(w̃; D'), g = g' − α·∇²f(w; D)·g' with the Hessian-vector product by the central
+    difference [∇f(w + δg'; D) − ∇f(w − δg'; D)]/(2δ); batch-mean losses. Also ≈ the exact Hessian product."""
+    net, (x, y) = split_net(), batch()
+    alpha, delta = 0.05, 1e-3
+    w = {n: p.detach().clone() for n, p in net.named_parameters()}
+    alg = PerFedAvg(inner_lr=alpha, support=4, target=2, hvp_delta=delta)
+    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(), F.cross_entropy, make_generator(0, "pfa"))
+    got = alg.meta_gradient(ctx, w, list(w), (x[:4], y[:4]), (x[4:], y[4:]))
+
+    def loss(p: dict[str, Tensor], xs: Tensor, ys: Tensor) -> Tensor:
+        return F.cross_entropy(torch.func.functional_call(net, p, (xs,)), ys)
+
+    def grad_at(p: dict[str, Tensor], xs: Tensor, ys: Tensor, create_graph: bool = False) -> dict[str, Tensor]:
+        leaves = {n: t.clone().requires_grad_(True) if not t.requires_grad else t for n, t in p.items()}
+        return dict(zip(leaves, torch.autograd.grad(loss(leaves, xs, ys), list(leaves.values()),
+                                                    create_graph=create_graph)))  # fmt: skip
+
+    g_in = grad_at(w, x[:4], y[:4])
+    g_out = grad_at({n: w[n] - alpha * g_in[n] for n in w}, x[4:], y[4:])
+    plus = grad_at({n: w[n] + delta * g_out[n] for n in w}, x[:4], y[:4])
+    minus = grad_at({n: w[n] - delta * g_out[n] for n in w}, x[:4], y[:4])
+    leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+    g = grad_at(leaves, x[:4], y[:4], create_graph=True)
+    hvp = dict(zip(leaves, torch.autograd.grad(sum((g[n] * g_out[n]).sum() for n in w), list(leaves.values()))))
+    for n in w:
+        assert_close_finite(got[n], g_out[n] - alpha * (plus[n] - minus[n]) / (2 * delta))
+        assert_close_finite(got[n], g_out[n] - alpha * hvp[n], rtol=1e-4, atol=1e-7)
+
+
+# ---- FedAvg, FedPer, Local Only: no code released by their authors; FedAvg is McMahan et al. 2017's Algorithm 1 --
+def test_fedavg_fedper_and_local_only_train_every_parameter_and_differ_in_what_they_keep() -> None:
+    """E epochs of minibatch SGD on the batch-mean loss over all parameters (here E full-batch steps, plain SGD);
+    FedAvg uploads the whole model, FedPer the body (its head stays on the client), Local Only nothing."""
+    net, (x, y) = split_net(), batch()
+    lr, epochs = 0.3, 2
+    w0 = {n: p.detach().clone() for n, p in net.named_parameters()}
+    w = dict(w0)
+    for _ in range(epochs):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+        w = {n: w[n] - lr * g for n, g in zip(w, torch.autograd.grad(loss, list(leaves.values())))}
+    for alg, uploaded in ((FedAvg(epochs), list(w0)), (FedPer(epochs), ["body.0.weight", "body.0.bias"]),
+                          (LocalOnly(epochs), [])):  # fmt: skip
+        ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH),
+                            F.cross_entropy, make_generator(0, "avg"))  # fmt: skip
+        up = alg.client_update(ctx, w0, alg.init_client_state(w0))
+        assert sorted(up.upload) == sorted(uploaded), type(alg).__name__
+        for n in w0:
+            assert_close_finite(up.upload[n] if n in uploaded else up.state[n], w[n])
+
+
+# ---- L2GD: as FedRep's authors run it (lgcollins/FedRep main_l2gd.py: lr = alpha / (num_users·(1 − p))) ----------
+def test_l2gd_aggregation_round_is_the_codes_mixing_step() -> None:
+    """An aggregation round moves x_i ← (1 − ηλ)x_i + ηλ·x̄ with η = α/(N(1 − p)); a local round trains x_i."""
+    net, (x, y) = split_net(), batch()
+    p, alpha, lam, n_clients = 0.9, 0.25, 1.0, 20
+    glob = {n: t.detach().clone() for n, t in net.named_parameters()}
+    local = {n: glob[n] + d for n, d in random_like(glob, 8).items()}
+    alg = L2GD(p=p, alpha=alpha, lam=lam)
+    alg.setup(glob, n_clients)
+    rounds = {alg.aggregation_round(0, r): r for r in range(40)}  # one aggregation and one local round
+    eta_lam = alpha / (n_clients * (1 - p)) * lam
+    for aggregate, round_idx in rounds.items():
+        ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=0.1, momentum=0.0, batch_size=BATCH),
+                            F.cross_entropy, make_generator(0, "l2"), round_idx=round_idx, seed=0)  # fmt: skip
+        up = alg.client_update(ctx, glob, {"x." + n: t for n, t in local.items()})
+        for n in glob:
+            if aggregate:
+                want = (1 - eta_lam) * local[n] + eta_lam * glob[n]
+            else:
+                leaves = {k: t.clone().requires_grad_(True) for k, t in local.items()}
+                loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+                want = local[n] - 0.1 * dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))[n]
+            assert_close_finite(up.state["x." + n], want)
+            assert_close_finite(up.upload["delta_x." + n], want - local[n])
+    assert set(rounds) == {True, False}
+
+
+# ---- Fed-MTL: LG-FedAvg's code as FedRep runs it (lgcollins/FedRep models/Update.py LocalUpdateMTL, main_mtl.py) --
+def test_fedmtl_penalty_gradient_is_that_of_the_regulariser_with_the_centering_matrix() -> None:
+    """R(W) = s·(‖W‖² + tr(W Ω Wᵀ)) with Ω = C·C, C = I − 11ᵀ/m (the matrix square: Ω = C): the gradient in client
+    j's column is that of our per-client penalty s·(‖w_j‖² + ‖w_j − w̄‖²) at w̄ = mean of the columns. (The code
+    writes ``omega ** 2``, an elementwise square in torch: docs/algorithms.md says where we differ.)"""
+    m, scale = 4, 0.01
+    g = torch.Generator().manual_seed(2)
+    cols = torch.randn(5, m, generator=g, dtype=torch.float64)  # W: one flattened model per column
+    c = torch.eye(m, dtype=torch.float64) - torch.ones(m, m, dtype=torch.float64) / m
+    omega = c @ c
+    leaf = cols.clone().requires_grad_(True)
+    reg = scale * (leaf.norm() ** 2 + torch.trace(leaf @ omega @ leaf.T))
+    full = torch.autograd.grad(reg, leaf)[0]
+    alg = FedMTL(reg_scale=scale)
+    alg.setup({"w": torch.zeros(5, dtype=torch.float64)}, m)
+    mean = {"w": cols.mean(1)}
+    for j in range(m):
+        ours = torch.func.grad(lambda p: alg.penalty(p, mean))({"w": cols[:, j]})["w"]
+        assert_close_finite(ours, full[:, j])
