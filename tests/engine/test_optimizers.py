@@ -211,11 +211,17 @@ CLIENT_OPTIMIZERS = {
     "sgd_nesterov": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
     "sgd_dampening": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, dampening=0.3),
     "rmsprop_unbatched": functools.partial(torch.optim.RMSprop, lr=0.01),
+    # the CNN's convolutions run in channels_last on the stacked path: their float32 rounding differs from the loop's
+    # by ~1e-9, and Adam turns an element whose gradient is that small (a unit dead on a client's batches) into a
+    # step of up to lr·g/(|g| + eps); eps 1e-6 keeps such an element's step below the comparison's 1e-5 (with the
+    # default 1e-8 one weight of one client differed by 3.5e-5 on this machine's torch 2.14 CPU kernels)
+    "adam_cnn": functools.partial(torch.optim.Adam, lr=0.01, weight_decay=1e-3, eps=1e-6),
 }
 
 
 @pytest.mark.parametrize(
-    ("name", "network"), [(name, DigitsMLP) for name in CLIENT_OPTIMIZERS] + [("adam", DigitsCNN)]
+    ("name", "network"),
+    [(name, DigitsMLP) for name in CLIENT_OPTIMIZERS if name != "adam_cnn"] + [("adam_cnn", DigitsCNN)],
 )  # conv phases run client by client in the vectorized executor: one optimiser is enough there
 def test_vectorized_client_optimizers_equal_sequential_with_minibatches_and_kept_state(name, network):
     """Unequal clients, minibatches of 7, a straggler, biases without weight decay, two phases, state kept."""
