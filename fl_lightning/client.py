@@ -9,6 +9,7 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -25,6 +26,19 @@ from fl_lightning.errors import ConfigError
 log = logging.getLogger(__name__)
 
 Params = dict[str, Tensor]
+
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed that depends only on ``parts`` (stable across processes and machines)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def make_generator(*parts: int | str) -> torch.Generator:
+    """A CPU generator seeded from ``parts`` (e.g. ``(seed, tag, round, client)``): a client's, or an algorithm's
+    own, random stream that does not depend on which process runs it or what ran before."""
+    return torch.Generator().manual_seed(derive_seed(*parts))
 
 
 @dataclass

@@ -28,14 +28,8 @@ ALLOWED_FOR_DATAMODULES = (
     "fl_lightning.metrics",
     "fl_lightning.models",
 )
-#: arrows that break a rule today, each with the change that removes it
-KNOWN_EXCEPTIONS = {
-    # ``make_generator`` (the per-client random streams of the client contract) is read by three algorithms from
-    # the engine; it moves with the client contract (fl_lightning/client.py, algorithms/*: branch engine-stacked)
-    ("fl_lightning.algorithms.alternating_gd", "fl_lightning.engine.rounds"),
-    ("fl_lightning.algorithms.l2gd", "fl_lightning.engine.rounds"),
-    ("fl_lightning.algorithms.moment_descent", "fl_lightning.engine.rounds"),
-}
+#: arrows that break a rule today, each with the change that removes it (none left)
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
-from fl_lightning.engine.rounds import make_generator
+from fl_lightning.client import ClientContext, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
-from fl_lightning.engine.rounds import make_generator
+from fl_lightning.client import ClientContext, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 LOCAL = "x."

@@ -31,8 +31,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.client import ClientContext, Params
-from fl_lightning.engine.rounds import make_generator
+from fl_lightning.client import ClientContext, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 Pairing = Literal["all", "disjoint"]

@@ -3,22 +3,13 @@ round) for training, chunks of client ids for validation and test (``ClientChunk
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed that depends only on ``parts`` (stable across processes and machines)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def make_generator(*parts: int | str) -> torch.Generator:
-    return torch.Generator().manual_seed(derive_seed(*parts))
+from fl_lightning.client import make_generator  # the seeded streams of the client contract
 
 
 class ClientSampler:
