@@ -525,6 +525,13 @@ def quiet_console() -> None:
         warnings.filterwarnings("ignore", message=pattern)
     import lightning.pytorch  # noqa: F401 - Lightning gives its loggers their console handlers when imported
 
+    engine_log = logging.getLogger("fl_lightning")  # the engine's choices (executor: …) and warnings, one line each
+    if not engine_log.handlers:
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("%(message)s"))
+        engine_log.addHandler(console)
+        engine_log.setLevel(logging.INFO)
+
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropNoise) for f in handler.filters):
