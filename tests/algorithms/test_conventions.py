@@ -644,12 +644,13 @@ def test_linear_fedrep_exact_head_body_step_and_orthonormalised_average() -> Non
         assert_close_finite(up.state["head.weight"].reshape(-1), torch.from_numpy(w))
         assert_close_finite(up.upload["body.weight"], torch.from_numpy(b.T))
         bodies.append(b)
-    mean = (bodies[0] + bodies[1]) / 2
-    q, r = np.linalg.qr(mean)
-    q = q * np.sign(np.diag(r))
-    params = {"body.weight": torch.from_numpy(mean.T).clone()}
-    alg.server_update(params, {}, 0)
-    assert_close_finite(params["body.weight"], torch.from_numpy(q.T))
+    for sign in (1.0, -1.0):  # one of ±B̄ has a negative diagonal in LAPACK's R
+        mean = sign * (bodies[0] + bodies[1]) / 2
+        q, r = np.linalg.qr(mean)
+        q = q * np.sign(np.diag(r))
+        params = {"body.weight": torch.from_numpy(mean.T).clone()}
+        alg.server_update(params, {}, 0)
+        assert_close_finite(params["body.weight"], torch.from_numpy(q.T))
 
 
 # ---- alternating GD: philipco/matrix_factorization src/algo/GradientDescent.py (AlternateGD), src/Client.py ---------
