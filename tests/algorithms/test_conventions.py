@@ -515,3 +515,302 @@ def test_fedmtl_penalty_gradient_is_that_of_the_regulariser_with_the_centering_m
     for j in range(m):
         ours = torch.func.grad(lambda p: alg.penalty(p, mean))({"w": cols[:, j]})["w"]
         assert_close_finite(ours, full[:, j])
+
+
+# ---- the project's spec algorithms (spec 000 linear, 001, 003, 004): references from the papers' / authors' formulas
+def regression_ctx(x: Tensor, y: Tensor, client: int = 0, round_idx: int = 0) -> ClientContext:
+    return ClientContext(nn.Identity(), client, x, y, None, ClientOptimizer(), F.mse_loss,
+                         make_generator(0, "spec", client), round_idx=round_idx, seed=0)  # fmt: skip
+
+
+def regression_data(seed: int, n: int, d: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+
+
+# ---- IFCA: jichan3751/ifca synthetic/train_cluster.py (train, calculate_loss_grad, gradient_update) ----------------
+def test_ifca_round_is_the_authors_gradient_averaging_step_at_twice_the_lr() -> None:
+    """Their round: loss_ij = nn.MSELoss()(y_i, X_iθ_j) (mean, no ½); s_ij = 1 at argmin_j loss_ij; θ_j ← θ_j −
+    lr·(1/m)Σ_i s_ij ∇loss_ij. Ours: one GD step on (1/(2nᵢ))‖y − Xθ‖² per client, the k rows uploaded, averaged
+    with nᵢ/N over all clients: the same step at lr_ours = 2·lr_theirs (equal nᵢ, as in their runs)."""
+    from fl_lightning.algorithms import IFCA
+
+    k, d, n, lr_theirs = 2, 3, 7, 0.05
+    g = torch.Generator().manual_seed(4)
+    theta = torch.randn(k, d, generator=g, dtype=torch.float64)
+    clients = [regression_data(10 + i, n, d) for i in range(3)]
+    clients[1] = (clients[1][0], clients[1][0] @ theta[1] + 0.01 * clients[1][1])  # client 1 fits cluster 1
+    alg = IFCA(local_steps=1, lr=2 * lr_theirs)
+    ups = [alg.client_update(regression_ctx(x, y, i), {"theta": theta, "assign": torch.zeros(k)}, {})
+           for i, (x, y) in enumerate(clients)]  # fmt: skip
+    total = sum(u.num_samples for u in ups)
+    ours = sum(u.num_samples / total * u.upload["theta"] for u in ups)  # aggregation: num_samples
+
+    new = theta.clone()
+    for j in range(k):
+        step = torch.zeros(d, dtype=torch.float64)
+        for i, (x, y) in enumerate(clients):
+            losses = [nn.MSELoss()(y, x @ theta[p]) for p in range(k)]
+            if int(torch.stack(losses).argmin()) != j:
+                continue
+            leaf = theta[j].clone().requires_grad_(True)
+            step += torch.autograd.grad(nn.MSELoss()(y, x @ leaf), leaf)[0]
+            assert ups[i].state["assign"][j] == 1.0  # the evaluated model: the row the client chose
+        new[j] -= lr_theirs * step / len(clients)
+    assert [u.num_samples for u in ups] == [n] * 3
+    assert_close_finite(ours, new)
+
+
+# ---- FedAvg with local steps: spec 004 §2.2/§2.4 (C.2: τ SGD steps per client, then the average) ------------------
+def test_fedavg_steps_counts_tau_minibatch_steps_on_the_batch_mean_loss() -> None:
+    """τ plain SGD steps (here each a full batch) on the batch-mean CE over every parameter, the whole model uploaded
+    with weight nᵢ: τ = 3 steps, not 3 epochs of several steps, and not a sum over the batch."""
+    from fl_lightning.algorithms import FedAvgSteps
+
+    net, (x, y) = split_net(), batch()
+    lr, tau = 0.3, 3
+    w = {n: p.detach().clone() for n, p in net.named_parameters()}
+    w0 = dict(w)
+    for _ in range(tau):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        loss = nn.CrossEntropyLoss()(torch.func.functional_call(net, leaves, (x,)), y)
+        w = {n: w[n] - lr * gr for n, gr in zip(w, torch.autograd.grad(loss, list(leaves.values())))}
+    ctx = ClientContext(net, 0, x, y, None, ClientOptimizer(lr=lr, momentum=0.0, batch_size=BATCH),
+                        F.cross_entropy, make_generator(0, "steps"))  # fmt: skip
+    up = FedAvgSteps(local_steps=tau).client_update(ctx, w0, {})
+    assert sorted(up.upload) == sorted(w0) and up.num_samples == BATCH
+    for n in w0:
+        assert_close_finite(up.upload[n], w[n])
+
+
+# ---- linear FedAvg / D-GD: spec 004 §2.1 (the paper's Algorithm 1: simultaneous GD on B and w, both averaged) ----
+def test_linear_fedavg_local_steps_are_simultaneous_gd_on_the_half_mean_square_loss() -> None:
+    """fᵢ(B, w) = (1/2n)Σⱼ(⟨Bw, xⱼ⟩ − yⱼ)² (samples) or ½‖Bw − θᵢ*‖² (population); τ steps B, w ← B − α∇_B f,
+    w − α∇_w f at the same point; both B and w uploaded (the server's plain mean: uniform in the configs)."""
+    from fl_lightning.algorithms import LinearFedAvg
+
+    d, k, n, alpha, tau = 5, 2, 9, 0.2, 3
+    x, y = regression_data(20, n, d)
+    g = torch.Generator().manual_seed(21)
+    b0, w0 = torch.randn(d, k, generator=g, dtype=torch.float64), torch.randn(k, generator=g, dtype=torch.float64)
+    target = torch.randn(d, generator=g, dtype=torch.float64)
+    glob = {"body.weight": b0.T.clone(), "head.weight": w0.reshape(1, -1).clone()}
+    for gradient in ("samples", "population"):
+        alg = LinearFedAvg(local_steps=tau, step_size=alpha, init="model", gradient=gradient)
+        alg.targets = target[None] if gradient == "population" else None
+        up = alg.client_update(regression_ctx(x, y), glob, {})
+        b, w = b0.clone(), w0.clone()
+        for _ in range(tau):
+            bl, wl = b.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            f = (0.5 * ((x @ (bl @ wl) - y) ** 2).mean() if gradient == "samples"
+                 else 0.5 * ((bl @ wl - target) ** 2).sum())  # fmt: skip
+            gb, gw = torch.autograd.grad(f, [bl, wl])
+            b, w = b - alpha * gb, w - alpha * gw
+        assert_close_finite(up.upload["body.weight"], b.T)
+        assert_close_finite(up.upload["head.weight"], w.reshape(1, -1))
+        assert up.state == {}
+
+
+def test_linear_configs_average_with_equal_weights() -> None:
+    """Spec 004 Algorithm 1: B_{t+1} = (1/m)Σ B_{t,i,τ}, w_{t+1} = (1/m)Σ w_{t,i,τ} (the base the linear FedAvg /
+    D-GD / FedRep configs compose with); spec 000 Algorithm 2: B̄ = (1/m)Σ Bᵢ."""
+    import yaml
+
+    for path in ("configs/representation/linear_base.yaml", "configs/synthetic_fedrep.yaml"):
+        model = yaml.safe_load(open(path))["model"]
+        assert model.get("aggregation") == "uniform" and model.get("server_lr", 1.0) == 1.0, path
+
+
+# ---- linear FedRep: spec 000 Algorithm 2 (lgcollins/FedRep FedRep_linear_sims.ipynb) ------------------------------
+def test_linear_fedrep_exact_head_body_step_and_orthonormalised_average() -> None:
+    """wᵢ = argmin_w (1/2m)‖XBw − y‖² (least squares); B ← B − η∇_B with ∇_B = (1/m)Xᵀ(XBw − y)wᵀ; the server
+    averages the Bᵢ (plain mean) and takes Q of its QR (positive-diagonal R); the evaluated model is B wᵢ."""
+    import numpy as np
+
+    from fl_lightning.algorithms import LinearFedRep
+
+    d, k, m, eta = 6, 2, 10, 0.1
+    g = torch.Generator().manual_seed(30)
+    b0 = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))[0]
+    alg = LinearFedRep(body_lr=eta)
+    bodies = []
+    for i in range(2):
+        x, y = regression_data(31 + i, m, d)
+        up = alg.client_update(regression_ctx(x, y, i), {"body.weight": b0.T.clone(), "head.weight": None},
+                               {"head.weight": torch.zeros(1, k, dtype=torch.float64)})  # fmt: skip
+        xn, yn, bn = x.numpy(), y.numpy(), b0.numpy()
+        w = np.linalg.lstsq(xn @ bn, yn, rcond=None)[0]
+        b = bn - eta * np.outer(xn.T @ (xn @ bn @ w - yn) / m, w)
+        assert_close_finite(up.state["head.weight"].reshape(-1), torch.from_numpy(w))
+        assert_close_finite(up.upload["body.weight"], torch.from_numpy(b.T))
+        bodies.append(b)
+    for sign in (1.0, -1.0):  # one of ±B̄ has a negative diagonal in LAPACK's R
+        mean = sign * (bodies[0] + bodies[1]) / 2
+        q, r = np.linalg.qr(mean)
+        q = q * np.sign(np.diag(r))
+        params = {"body.weight": torch.from_numpy(mean.T).clone()}
+        alg.server_update(params, {}, 0)
+        assert_close_finite(params["body.weight"], torch.from_numpy(q.T))
+
+
+# ---- alternating GD: philipco/matrix_factorization src/algo/GradientDescent.py (AlternateGD), src/Client.py ---------
+def lowrank_ctx(s: Tensor, client: int, round_idx: int) -> ClientContext:
+    rows = torch.arange(s.shape[0])
+    return ClientContext(nn.Identity(), client, rows, s, None, ClientOptimizer(), F.mse_loss,
+                         make_generator(0, "mf", client, round_idx), round_idx=round_idx, seed=0)  # fmt: skip
+
+
+def test_alternating_gd_iteration_and_init_are_the_authors_alternate_gd() -> None:
+    """Their epoch: U^i ← U^i − η(U^iVᵀ − S^i)V; gradV_i = (U^iVᵀ − S^i)ᵀU^i with the new U^i; V ← V − η·Σ_i gradV_i
+    (a sum over clients). Their constants: η = 9/(4Cμσ_max), D = Cμ/9, V₀ = √η σ_max D Φ_V (μ = 0.5, C = 8)."""
+    import numpy as np
+
+    from fl_lightning.algorithms import AlternatingGD
+
+    d, r, rows = 5, 2, (3, 4)
+    g = torch.Generator().manual_seed(40)
+    s = [torch.randn(n, d, generator=g, dtype=torch.float64) for n in rows]
+    alg = AlternatingGD(sigma_rounds=1)
+    params = {"V": torch.zeros(d, r, dtype=torch.float64), "U": torch.zeros(4, r, dtype=torch.float64)}
+    alg.setup(params, len(rows))
+    state = alg.init_client_state(params)
+    ups = [alg.client_update(lowrank_ctx(si, i, 0), params, state) for i, si in enumerate(s)]
+    v0 = alg.power_vec.clone()
+    alg.server_update(params, {"power": sum(u.upload["power"] for u in ups) / len(ups)}, 0)  # weights 1 each
+    sigma = float(np.linalg.norm(sum(si.numpy().T @ si.numpy() @ v0.numpy() for si in s))) ** 0.5
+    eta, dd = 9 / (4 * 8 * 0.5 * sigma), 8 * 0.5 / 9
+    assert np.isclose(float(alg.eta), eta) and np.isclose(float(alg.sigma), sigma)
+    assert_close_finite(params["V"], eta**0.5 * sigma * dd * alg.phi_v)
+
+    v = params["V"].clone() + 0.1 * torch.randn(d, r, generator=g, dtype=torch.float64)
+    params["V"].copy_(v)
+    us = [torch.randn(n, r, generator=g, dtype=torch.float64) for n in rows]
+    grads, want_u = [], []
+    for i, si in enumerate(s):
+        padded = torch.zeros(4, r, dtype=torch.float64)
+        padded[: rows[i]] = us[i]
+        up = alg.client_update(lowrank_ctx(si, i, 2), params, {"U": padded})
+        un = us[i].numpy() - eta * (us[i].numpy() @ v.numpy().T - si.numpy()) @ v.numpy()
+        want_u.append(un)
+        grads.append((un @ v.numpy().T - si.numpy()).T @ un)
+        assert_close_finite(up.state["U"][: rows[i]], torch.from_numpy(un))
+        assert_close_finite(up.upload["grad_V"], torch.from_numpy(grads[-1]))
+        assert up.num_samples == 1
+    alg.server_update(params, {"grad_V": torch.from_numpy(sum(grads) / len(grads))}, 2)
+    assert_close_finite(params["V"], v - eta * torch.from_numpy(sum(grads)))
+
+
+# ---- power initialisation + local GD on U: philipco/matrix_factorization src/algo/MFInitialization.py
+#      (distributed_power_initialization_for_GD_on_U), src/algo/GradientDescent.py (GD_ON_U) ----------------------
+def test_power_init_is_the_sum_of_client_sketches_and_local_gd_uses_one_over_sigma_max_squared() -> None:
+    """Their V = Σ_i S^iᵀΦ^i, then α times V ← Σ_i S^iᵀS^iV (sums, no normalisation) = (SᵀS)^α SᵀΦ; then each
+    client U ← U − γ(UVᵀ − S^i)V with γ = 1/σ_max(V)² (no communication); F = ½‖S − UVᵀ‖²_F."""
+    import numpy as np
+
+    from fl_lightning.algorithms import PowerInitLocalGD
+
+    d, r, rows, alpha = 5, 2, (3, 4), 1
+    g = torch.Generator().manual_seed(41)
+    s = [torch.randn(n, d, generator=g, dtype=torch.float64) for n in rows]
+    alg = PowerInitLocalGD(alpha=alpha, local_steps=1)
+    params = {"V": torch.zeros(d, r, dtype=torch.float64), "U": torch.zeros(4, r, dtype=torch.float64)}
+    alg.setup(params, len(rows))
+    state = alg.init_client_state(params)
+    phis = [torch.randn(1, n, r, generator=make_generator(0, "mf", i, 0), dtype=torch.float64)[0].numpy()
+            for i, n in enumerate(rows)]  # each client's own Gaussian Φ^i  # fmt: skip
+    for round_idx in range(alpha + 1):
+        ups = [alg.client_update(lowrank_ctx(si, i, round_idx), params, state) for i, si in enumerate(s)]
+        assert [u.num_samples for u in ups] == [1, 1]
+        alg.server_update(params, {"sketch": sum(u.upload["sketch"] for u in ups) / len(ups)}, round_idx)
+    big_s, phi = np.concatenate([si.numpy() for si in s]), np.concatenate(phis)
+    v = np.linalg.matrix_power(big_s.T @ big_s, alpha) @ big_s.T @ phi
+    assert_close_finite(params["V"], torch.from_numpy(v))
+
+    u0 = torch.randn(4, r, generator=g, dtype=torch.float64)
+    up = alg.client_update(lowrank_ctx(s[1], 1, alpha + 2), params, {"U": u0, "Y": u0})
+    gamma = 1 / np.linalg.norm(v, 2) ** 2
+    u1 = u0.numpy() - gamma * (u0.numpy() @ v.T - s[1].numpy()) @ v
+    assert_close_finite(up.state["U"], torch.from_numpy(u1))
+    assert np.isclose(up.loss, 0.5 * np.linalg.norm(s[1].numpy() - u1 @ v.T) ** 2)
+
+
+# ---- moment descent (FedMD): the paper of spec 001, §2.1 steps 9–15 and eq. (2) (no code released) ----------------
+def md_residuals(x: Tensor, y: Tensor, theta: Tensor) -> list[Tensor]:
+    return [(y[j] - x[j] @ theta) * x[j] for j in range(len(y))]  # e(x, y, θ) = (y − xᵀθ)x
+
+
+def test_fedmd_moment_is_the_n_weighted_pair_sum_and_the_anchor_step_eq_2() -> None:
+    """Y_h = (Σ_i nᵢ)⁻¹ Σ_i Σ_{a≠b} e(a)e(b)ᵀ (each client uploads its pair sum / nᵢ with weight nᵢ); an anchor's
+    A = (1/ℓ)Σ_pairs (Ûᵀe(a))(Ûᵀe(b))ᵀ, σ̂² = σ₁(A), β̂ its top left singular vector, θ ← θ + (α/(2β²))σ̂Ûβ̂ with
+    Ûβ̂ oriented along Σe (α/(2β²) = ½)."""
+    from fl_lightning.algorithms import FedMD
+
+    k, d, rows = 2, 4, (5, 6)
+    g = torch.Generator().manual_seed(50)
+    theta = torch.randn(k, d, generator=g, dtype=torch.float64)
+    data = [regression_data(51 + i, n, d) for i, n in enumerate(rows)]
+    alg = FedMD(num_anchors=2, phase1_iters=1, anchor_min_samples=1)
+    alg.setup({"theta": theta}, len(rows))
+    alg.anchor_models.add_(torch.randn(2, d, generator=g, dtype=torch.float64))
+    glob = {"theta": theta, "assign": torch.zeros(k)}
+    ups = [alg.warmup_update(regression_ctx(x, y, i, round_idx=1), glob, {}) for i, (x, y) in enumerate(data)]
+    ours = sum(u.num_samples * u.upload["moment"] for u in ups) / sum(u.num_samples for u in ups)
+    for h in range(2):
+        want = torch.zeros(d, d, dtype=torch.float64)
+        for x, y in data:
+            e = md_residuals(x, y, alg.anchor_models[h])
+            want += sum(torch.outer(e[a], e[b]) for a in range(len(e)) for b in range(len(e)) if a != b)
+        assert_close_finite(ours[h], want / sum(rows))
+
+    from fl_lightning.algorithms.moment_descent import anchor_step
+
+    x, y = data[1]
+    basis = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64))[0]
+    start = alg.anchor_models[0]
+    e = md_residuals(x, y, start)
+    for pairing, pairs in (("disjoint", [(0, 1), (2, 3), (4, 5)]),
+                           ("all", [(a, b) for a in range(6) for b in range(6) if a != b])):  # fmt: skip
+        amat = sum(torch.outer(basis.T @ e[a], basis.T @ e[b]) for a, b in pairs) / len(pairs)
+        u, sv, _ = torch.linalg.svd(amat)
+        direction = basis @ u[:, 0]
+        direction = direction if float(direction @ sum(e)) >= 0 else -direction
+        moved, sigma = anchor_step(x, y, start, basis, pairing=pairing)
+        assert abs(sigma - float(sv[0]) ** 0.5) < 1e-10
+        assert_close_finite(moved, start + 0.5 * float(sv[0]) ** 0.5 * direction)
+
+
+# ---- one-shot k-means: spec 001 §2.4 item 2 ([GHYR19]: local estimates, k-means once, FedAvg per cluster) ---------
+def test_oneshot_uploads_min_norm_estimates_and_keeps_the_kmeans_labels() -> None:
+    """Round 0: θ̂ᵢ = X_i⁺y_i (minimum-norm least squares, nᵢ < d); the server's k-means centres start the
+    clusters and each client's label is kept afterwards (even where eq. (8)'s residual would choose another row)."""
+    import numpy as np
+
+    from fl_lightning.algorithms import OneShotClustering
+
+    k, d, n = 2, 6, 3
+    g = torch.Generator().manual_seed(60)
+    centres = torch.stack([torch.full((d,), 5.0), torch.full((d,), -5.0)]).double()
+    data = []
+    for i in range(4):
+        x = torch.randn(n, d, generator=g, dtype=torch.float64)
+        data.append((x, x @ (centres[i // 2] + 0.01 * torch.randn(d, generator=g, dtype=torch.float64))))
+    alg = OneShotClustering(local_steps=1, lr=0.1)
+    theta = torch.zeros(k, d, dtype=torch.float64)
+    alg.setup({"theta": theta}, 4)
+    glob = {"theta": theta, "assign": torch.zeros(k)}
+    ups = [alg.client_update(regression_ctx(x, y, i), glob, {}) for i, (x, y) in enumerate(data)]
+    estimates = [np.linalg.lstsq(x.numpy(), y.numpy(), rcond=None)[0] for x, y in data]  # min-norm for n < d
+    for i, up in enumerate(ups):
+        assert_close_finite(up.upload["estimates"][i], torch.from_numpy(estimates[i]))
+    total = sum(u.num_samples for u in ups)
+    averaged = {key: sum(u.num_samples / total * u.upload[key] for u in ups) for key in ("estimates", "estimate_mask")}
+    params = {"theta": theta.clone()}
+    alg.server_update(params, averaged, 0)
+    means = [np.mean(estimates[:2], 0), np.mean(estimates[2:], 0)]  # well separated: k-means = the group means
+    got = sorted(params["theta"].numpy().tolist())
+    assert np.allclose(got, sorted(m.tolist() for m in means)) and np.isfinite(got).all()
+    labels = alg.labels.tolist()
+    assert labels[0] == labels[1] != labels[2] == labels[3]
+    swapped = {"theta": params["theta"].flip(0), "assign": torch.zeros(k)}  # eq. (8) would now pick the other row
+    up = alg.client_update(regression_ctx(*data[0], 0, round_idx=1), swapped, {})
+    assert int(up.state["assign"].argmax()) == labels[0]
