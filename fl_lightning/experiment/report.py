@@ -79,9 +79,14 @@ class Table:
     metrics: list[str]
     rows: list[tuple[tuple[str, ...], dict[str, Cell], int]]  # (labels, metric -> cell, runs in the group)
     flags: dict[tuple[str, ...], str] = field(default_factory=dict)  # labels -> what is wrong with the group
+    #: labels -> (chosen setting, tuning trials), for a tuned experiment (spec.py's ``tune``)
+    tuned: dict[tuple[str, ...], tuple[str, str]] = field(default_factory=dict)
+
+    def _tuned(self, labels: tuple[str, ...]) -> list[str]:
+        return list(self.tuned.get(labels, ("-", "0"))) if self.tuned else []
 
     def headers(self) -> list[str]:
-        out = list(self.by)
+        out = list(self.by) + (["chosen", "trials"] if self.tuned else [])
         for m in self.metrics:
             percent = any(cells[m].percent for _, cells, _ in self.rows if m in cells)
             out.append(f"{m} ({'%, ' if percent else ''}mean ± std)")
@@ -94,6 +99,9 @@ class Table:
         )
         if any(FINETUNED in m for m in self.metrics):
             text += "; final/last10/best are the plain runs', final_ft* their \"+FT\" evaluation (once, at the end)"
+        if self.tuned:
+            text += ("; chosen = the grid point picked on the validation split (best mean over the tuning seeds), "
+                     "trials = tuning runs (grid points × tuning seeds); the figures are fresh-seed test runs")
         if self.flags:
             text += (
                 f"; flags: 'at chance' = a run's mean client accuracy (last10) within {AT_CHANCE_MARGIN:.0%} of the "
@@ -110,21 +118,24 @@ class Table:
             raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
         if fmt == "csv":
             return self._csv()
-        cells = [[*labels, *(self._cell(cells.get(m), latex=fmt == "latex") for m in self.metrics),
+        latex = fmt == "latex"
+        cells = [[*labels, *self._tuned(labels), *(self._cell(cells.get(m), latex=latex) for m in self.metrics),
                   *self._flag(labels), str(n)]
                  for labels, cells, n in self.rows]  # fmt: skip
         headers = self.headers()
         if fmt == "latex":
             head = " & ".join(h.replace("%", r"\%").replace("±", r"$\pm$").replace("_", r"\_") for h in headers)
             body = [" & ".join(c.replace("_", r"\_") for c in row) + r" \\" for row in cells]
-            spec = "l" * len(self.by) + "r" * (len(headers) - len(self.by))
+            left = len(self.by) + (2 if self.tuned else 0)
+            spec = "l" * left + "r" * (len(headers) - left)
             return "\n".join(
                 [f"% {self.note()}", rf"\begin{{tabular}}{{{spec}}}", r"\toprule", head + r" \\", r"\midrule",
                  *body, r"\bottomrule", r"\end{tabular}"]
             )  # fmt: skip
         widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
         line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
-        rule = "|" + "|".join(("-" * (w + 1) + ":") if i >= len(self.by) else "-" * (w + 2)
+        left = len(self.by) + (2 if self.tuned else 0)
+        rule = "|" + "|".join(("-" * (w + 1) + ":") if i >= left else "-" * (w + 2)
                               for i, w in enumerate(widths)) + "|"  # fmt: skip
         rows = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
         return "\n".join([line, rule, *rows, "", self.note()])
@@ -143,13 +154,13 @@ class Table:
     def _csv(self) -> str:
         buf = io.StringIO()
         w = csv.writer(buf)
-        head = list(self.by)
+        head = list(self.by) + (["chosen", "trials"] if self.tuned else [])
         for m in self.metrics:
             unit = " (%)" if any(cells[m].percent for _, cells, _ in self.rows if m in cells) else ""
             head += [f"{m} mean{unit}", f"{m} std{unit}"]
         w.writerow([*head, *(["flags"] if self.flags else []), "n"])
         for labels, cells, n in self.rows:
-            row: list[Any] = list(labels)
+            row: list[Any] = [*labels, *self._tuned(labels)]
             for m in self.metrics:
                 c = cells.get(m)
                 row += ["", ""] if c is None else [_num(c.scaled(c.mean), 6), _num(c.scaled(c.std), 6)]
@@ -166,7 +177,10 @@ def _num(v: float, digits: int) -> str:
 
 
 def make_table(
-    results: Sequence[RunResult], by: Sequence[str] | None = None, metrics: Sequence[str] = ("last10",)
+    results: Sequence[RunResult],
+    by: Sequence[str] | None = None,
+    metrics: Sequence[str] = ("last10",),
+    tuned: Sequence[tuple[dict[str, str], str, int]] | None = None,
 ) -> Table:
     """Group ``results`` by the labels of ``by`` (default: every axis but the seed) and average each summary
     figure in ``metrics`` over the runs of each group. Groups keep the order in which runs first name them.
@@ -185,7 +199,23 @@ def make_table(
             values = [v for v in values if not math.isnan(v)]
             cells[m] = Cell(values, all(is_accuracy(m, r.metric) for r in runs))
         rows.append((labels, cells, len(runs)))
-    return Table(by, list(metrics), rows, collapse_flags(groups, by, metrics[0] if metrics else "last10"))
+    table = Table(by, list(metrics), rows, collapse_flags(groups, by, metrics[0] if metrics else "last10"))
+    table.tuned = tuned_cells(list(groups), by, tuned or [])
+    return table
+
+
+def tuned_cells(
+    groups: list[tuple[str, ...]], by: Sequence[str], tuned: Sequence[tuple[dict[str, str], str, int]]
+) -> dict[tuple[str, ...], tuple[str, str]]:
+    """Per table row, the chosen setting and the tuning trials of the tuning outcomes (axes labels, chosen point,
+    trials) whose labels match the row on every axis of ``by``; several different ones are joined with " / "."""
+    out = {}
+    for labels in groups:
+        pairs = [(a, lab) for a, lab in zip(by, labels) if a not in ("seed", "experiment")]
+        mine = [(c, n) for axes, c, n in tuned if all(axes.get(a, lab) == lab for a, lab in pairs)]
+        if mine:
+            out[labels] = (" / ".join(dict.fromkeys(c for c, _ in mine)), str(sum(n for _, n in mine)))
+    return out
 
 
 def at_chance(run: RunResult) -> bool:
@@ -348,11 +378,13 @@ def write_report(
     fmt: str = "md",
     curve: str | None = None,
     title: str = "",
+    tuned: Sequence[tuple[dict[str, str], str, int]] | None = None,
 ) -> tuple[str, Path, list[Path]]:
-    """Print-ready table text, ``results.json`` and PNGs in ``out_dir``."""
+    """Print-ready table text, ``results.json`` and PNGs in ``out_dir``; ``tuned`` (axis labels, chosen point,
+    trials per tuned combination) adds the "chosen" and "trials" columns."""
     from fl_lightning.results import write_results
 
-    table = make_table(results, by, metrics)
+    table = make_table(results, by, metrics, tuned)
     out_dir.mkdir(parents=True, exist_ok=True)
     text = table.formatted(fmt)
     if title and fmt == "md":

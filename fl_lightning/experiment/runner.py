@@ -17,6 +17,11 @@ labels and the command. A run dir is
 A run dir written with other training arguments is not touched (one line says so; ``--overwrite`` reruns it).
 A failing run is reported with its dir and error and the others go on; the exit code is then 1. Ctrl-C stops
 the grid (exit 130); the same command later finishes it.
+
+A file whose methods say ``tune`` (``spec.py``) first runs the tuning stage: every grid point × tuning seed on the
+validation split, in ``<runs_dir>/<name>/tune/...`` (skipped, resumed and batched like any run); then
+:func:`choose` picks each method's point by the mean over tuning seeds of its ``metric`` (``summary.json``), writes
+``<runs_dir>/<name>/tune.json`` and the grid runs with the chosen setting and the experiment's own seeds.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiment.spec import Experiment, RunSpec
+from fl_lightning.experiment.spec import Experiment, RunSpec, TuneRun
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 
@@ -466,6 +471,62 @@ class ExperimentResult:
     plots: list[Path] = field(default_factory=list)
 
 
+@dataclass
+class Choice:
+    """The tuning outcome of one combination of the non-seed axes: the chosen point (``None``: no winner, a
+    tuning run is missing), its overrides, every point's mean and the number of trials."""
+
+    key: tuple[str, ...]
+    axes: dict[str, str]
+    metric: str
+    point: str | None
+    overrides: list[str]
+    means: dict[str, float]
+    trials: int
+    seeds: list[int]
+    missing: list[str] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        names = ("axes", "metric", "point", "overrides", "means", "trials", "seeds", "missing")
+        return {("chosen" if n == "point" else "tuning_seeds" if n == "seeds" else n): getattr(self, n) for n in names}
+
+
+def choose(experiment: Experiment, tuning: list[TuneRun]) -> dict[tuple[str, ...], Choice]:
+    """Each tuned combination's best grid point: the best mean over tuning seeds of ``tune.metric`` read from the
+    tuning runs' ``summary.json`` (validation figures: those runs evaluate on the validation split); ties go to
+    the first point in grid order. A point with a missing run or figure cannot win (listed in ``missing``)."""
+    from fl_lightning.experiment.spec import override
+
+    out: dict[tuple[str, ...], Choice] = {}
+    by_key: dict[tuple[str, ...], list[TuneRun]] = {}
+    for t in tuning:
+        by_key.setdefault(t.key, []).append(t)
+    for key, runs in by_key.items():
+        tune = next(p.tune for p in runs[0].run.points if p.tune is not None)
+        values: dict[str, list[float]] = {}
+        missing: list[str] = []
+        for t in runs:
+            summary = read_json(t.run.run_dir / "summary.json")
+            value = summary.get(tune.metric) if isinstance(summary, dict) else None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                missing.append(str(t.run.run_dir))
+                values.setdefault(t.point, []).append(float("nan"))
+            else:
+                values.setdefault(t.point, []).append(float(value))
+        means = {p: sum(v) / len(v) for p, v in values.items()}
+        ok = {p: m for p, m in means.items() if m == m}
+        best = None
+        if not missing and ok:
+            best = (max if tune.mode == "max" else min)(ok, key=lambda p: ok[p])  # first of equal ones: grid order
+        chosen = next(((p, v) for p, _, v in tune.points() if p == best), None)
+        axes = {p.axis: p.label for p in runs[0].run.points if p.axis != "seed"}
+        out[key] = Choice(
+            key, axes, tune.metric, best, [override(k, v) for k, v in chosen[1].items()] if chosen else [], means,
+            len(runs), list(tune.seeds), missing,
+        )  # fmt: skip
+    return out
+
+
 def run_experiment(
     experiment: Experiment,
     extra: list[str] | tuple[str, ...] = (),
@@ -495,27 +556,61 @@ def run_experiment(
         raise ExperimentError(f"--batch-runs {batch_runs}: expected ≥ 1 (1 turns batching off)")
     batch_runs = batch_runs if batch_runs is not None else experiment.batch_runs
     runs = experiment.runs(extra)
-    resolved = validate_runs(experiment, runs)
+    tuning = experiment.tuning_runs(extra)
+    tune_specs = [t.run for t in tuning]
+    resolved = validate_runs(experiment, tune_specs + runs)
     max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
     axes = " × ".join(f"{a} ({len(v)})" for a, v in experiment.axes.items()) or "a single run"
     print(f"experiment {experiment.name}: {len(runs)} runs = {axes}; run dirs under {experiment.out_dir}", file=out)
+    if tuning:
+        print(f"tuning stage first: {len(tuning)} runs on the validation split under {experiment.out_dir / 'tune'}; "
+              "the runs above then get each method's chosen setting", file=out)  # fmt: skip
     if dry_run:
-        for run in runs:
+        for run in tune_specs:
             print(f"[{run_state(run, max_steps[str(run.run_dir)])}] {run.wandb_name}: {run.command()}", file=out)
+        note = " (+ the chosen setting)" if tuning else ""
+        for run in runs:
+            state = run_state(run, max_steps[str(run.run_dir)]) if not tuning else "after tuning"
+            print(f"[{state}] {run.wandb_name}: {run.command()}{note}", file=out)
         return ExperimentResult(0, [], [])
     experiment.out_dir.mkdir(parents=True, exist_ok=True)
+    tune_outcomes: list[Outcome] = []
+    choices: dict[tuple[str, ...], Choice] = {}
+    if tuning:
+        out.flush()
+        tune_outcomes = execute(experiment, tune_specs, max_steps, jobs=jobs, overwrite=overwrite, configs=resolved,
+                                batch_runs=batch_runs)  # fmt: skip
+        if any(o.status == "interrupted" for o in tune_outcomes):
+            return ExperimentResult(130, tune_outcomes, [])
+        choices = choose(experiment, tuning)
+        (experiment.out_dir / "tune.json").write_text(json.dumps([c.record() for c in choices.values()], indent=1))
+        for c in choices.values():
+            where = ", ".join(f"{a}={lab}" for a, lab in c.axes.items())
+            if c.point is None:
+                print(f"tune: {where}: no choice ({len(c.missing)} tuning run(s) without {c.metric}); its runs are "
+                      "skipped", file=out)  # fmt: skip
+            else:
+                print(f"tune: {where}: chose {c.point} ({c.metric} {c.means[c.point]:.4f}, mean over "
+                      f"{len(c.seeds)} tuning seeds; {c.trials} trials)", file=out)  # fmt: skip
+        runs = experiment.runs(extra, chosen={k: c.overrides for k, c in choices.items()})
+        runs = [r for r in runs if experiment.tune_key(r.points) not in choices
+                or choices[experiment.tune_key(r.points)].point is not None]  # fmt: skip
+        resolved = validate_runs(experiment, runs)
+        max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
     (experiment.out_dir / "commands.sh").write_text(
-        f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in runs) + "\n"
+        f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in tune_specs + runs) + "\n"
     )
     out.flush()
     outcomes = execute(
         experiment, runs, max_steps, jobs=jobs, overwrite=overwrite, configs=resolved, batch_runs=batch_runs
     )
+    outcomes = tune_outcomes + outcomes
     if any(o.status == "interrupted" for o in outcomes):
         return ExperimentResult(130, outcomes, [])
     finished = [load_run_dir(r.run_dir) for r in runs if (r.run_dir / "summary.json").is_file()]
     failed = [o for o in outcomes if o.status == "failed"]
-    result = ExperimentResult(1 if failed else 0, outcomes, finished)
+    failed_code = bool(failed) or any(c.point is None for c in choices.values())
+    result = ExperimentResult(1 if failed_code else 0, outcomes, finished)
     if finished:
         title = f"{experiment.name}: {experiment.description}".strip().rstrip(":")
         result.table, result.results_path, result.plots = write_report(
@@ -526,6 +621,7 @@ def run_experiment(
             fmt,
             curve or experiment.report.get("curve"),
             title,
+            tuned=[(c.axes, c.point or "-", c.trials) for c in choices.values()] or None,
         )
         print(f"\n{result.table}\n", file=out)
         for p in result.plots:

@@ -17,6 +17,35 @@ Schema (every key but ``name`` is optional)::
     job_type: method                 # the axis whose label is the W&B job_type (default: "method" if present)
     runs_dir: runs                   # default runs/
     report: {metrics: [last10], by: [method], curve: val/acc_mean}
+    tune: {metric: last10, seeds: [100, 101], val_fraction: 0.2, budget: equal}   # defaults of every method's tune
+
+A method may say how to choose its hyper-parameters (the fair comparison protocol of issue 31)::
+
+    axes:
+      method:
+        fedprox:
+          config: configs/digits/fedprox.yaml
+          tune: {grid: {model.lr: [0.01, 0.05], model.algorithm.init_args.mu: [0.01, 0.1]}}
+
+``tune`` (per method; a top-level ``tune`` gives the defaults, the method's own keys win):
+
+- ``grid``: dotted key -> list of values; the points are their product (label ``lr=0.01+mu=0.1``).
+- ``seeds``: the tuning seeds (default [100, 101]); they may not be seeds of the ``seed`` axis, so the final runs
+  use fresh seeds.
+- ``metric``: the ``summary.json`` figure that chooses (default ``last10``: the mean client accuracy of the last
+  10 rounds; ``final_ft`` for a "+FT" method). In a tuning run every per-round and end-of-run evaluation reads the
+  validation split, so this is a validation figure; ``last10`` rather than ``final`` because one round's value
+  is noisy. ``mode``: ``max`` (default) or ``min`` (losses, MSE).
+- ``val_fraction``: the fraction of every client's training rows held out as its validation split in the tuning
+  runs (``data.init_args.val_fraction``, default 0.2). The final runs train on all training rows and report the
+  test split.
+- ``budget`` (top level only): ``equal`` (default) refuses a file whose tuned methods get different numbers of
+  trials (grid points × tuning seeds; a method with no ``tune`` has 0); ``free`` allows it (the report still shows
+  every method's trials).
+
+Each point runs once per tuning seed in ``<runs_dir>/<name>/tune/<labels>/<point>/s<seed>``; the chosen point is
+the one with the best mean of ``metric`` over the tuning seeds (ties: the first in grid order), then the method's
+runs of the grid get its overrides (after the method's own, before the command line's ``--set``).
 
 Arguments of one run, in order (later ones win): ``--config`` for the ``configs``, then every axis' config
 files; ``set``; every axis' overrides; the seed; the command line's ``--set``; then the run dir and the W&B
@@ -39,8 +68,10 @@ from typing import Any
 from fl_lightning.errors import ConfigError, load_yaml
 
 TOP_KEYS = (
-    "name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report", "batch_runs",
+    "name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report", "batch_runs", "tune",
 )  # fmt: skip
+TUNE_KEYS = ("grid", "seeds", "metric", "mode", "val_fraction")
+TUNE_DEFAULTS: dict[str, Any] = {"seeds": [100, 101], "metric": "last10", "mode": "max", "val_fraction": 0.2}
 WANDB_KEYS = ("project", "mode", "tags")
 REPORT_KEYS = ("metrics", "by", "curve")
 LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+=-]*$")
@@ -76,6 +107,41 @@ class AxisValue:
     configs: tuple[str, ...] = ()
     overrides: tuple[str, ...] = ()
     value: Any = None
+    tune: Tune | None = None
+
+
+@dataclass(frozen=True)
+class Tune:
+    """How one method's hyper-parameters are chosen: its grid, tuning seeds, metric and validation fraction."""
+
+    grid: tuple[tuple[str, tuple[Any, ...]], ...]
+    seeds: tuple[int, ...]
+    metric: str = "last10"
+    mode: str = "max"
+    val_fraction: float = 0.2
+
+    def points(self) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
+        """The grid's points in order: (label, overrides, {key: value})."""
+        keys = [k for k, _ in self.grid]
+        out = []
+        for values in itertools.product(*(v for _, v in self.grid)):
+            label = "+".join(f"{k.rsplit('.', 1)[-1]}={arg_value(v)}" for k, v in zip(keys, values))
+            out.append((label, tuple(override(k, v) for k, v in zip(keys, values)), dict(zip(keys, values))))
+        return out
+
+    @property
+    def trials(self) -> int:
+        return len(self.points()) * len(self.seeds)
+
+
+@dataclass
+class TuneRun:
+    """One tuning run: the labels of the grid point it serves (every axis but the seed), its grid point, the run."""
+
+    key: tuple[str, ...]
+    point: str
+    values: dict[str, Any]
+    run: RunSpec
 
 
 @dataclass
@@ -152,13 +218,54 @@ class Experiment:
     #: at most this many runs train as one batched job (``batch_runs:``; 1: one run at a time; None: no limit)
     batch_runs: int | None = None
 
-    def runs(self, extra: Sequence[str] = ()) -> list[RunSpec]:
-        """The product of the axes, in file order (the last axis varies fastest)."""
+    def tune_key(self, points: Sequence[AxisValue]) -> tuple[str, ...]:
+        """What a choice is made for: the labels of every axis but the seed."""
+        return tuple(p.label for p in points if p.axis != "seed")
+
+    @property
+    def tuned(self) -> bool:
+        return any(p.tune is not None for values in self.axes.values() for p in values)
+
+    def tuning_runs(self, extra: Sequence[str] = ()) -> list[TuneRun]:
+        """Every tuning run: for each combination of the non-seed axes whose values carry a ``tune``, each grid
+        point × each tuning seed, on the validation split (``data.init_args.val_fraction``)."""
+        axes = {a: v for a, v in self.axes.items() if a != "seed"}
+        out = []
+        for points in itertools.product(*axes.values()) if axes else [()]:
+            tune = next((p.tune for p in points if p.tune is not None), None)
+            if tune is None:
+                continue
+            labels = [p.label for p in points]
+            configs = list(self.configs) + [c for p in points for c in p.configs]
+            base = list(self.set) + [o for p in points for o in p.overrides]
+            for label, overrides, values in tune.points():
+                for seed in tune.seeds:
+                    seed_point = AxisValue("seed", f"s{seed}", f"seed:{seed}", (), (f"--seed_everything={seed}",), seed)
+                    run = RunSpec(
+                        experiment=self.name,
+                        points=(*points, seed_point),
+                        configs=configs,
+                        overrides=[*base, *overrides, override("data.init_args.val_fraction", tune.val_fraction),
+                                   *seed_point.overrides, *extra],
+                        run_dir=self.runs_dir.joinpath(self.name, "tune", *labels, label, f"s{seed}"),
+                        wandb_name="-".join(["tune", *labels, label, f"s{seed}"]),
+                        job_type="tune",
+                        tags=[*(p.tag for p in points), f"seed:{seed}", "stage:tune", *self.wandb.get("tags", [])],
+                        wandb={k: v for k, v in self.wandb.items() if k != "tags"},
+                    )  # fmt: skip
+                    out.append(TuneRun(tuple(labels), label, values, run))
+        return out
+
+    def runs(self, extra: Sequence[str] = (), chosen: Mapping[tuple[str, ...], Sequence[str]] | None = None
+             ) -> list[RunSpec]:  # fmt: skip
+        """The product of the axes, in file order (the last axis varies fastest); ``chosen`` (tune key ->
+        overrides) adds each tuned method's chosen setting after the axes' overrides."""
         out = []
         for points in itertools.product(*self.axes.values()) if self.axes else [()]:
             labels = [p.label for p in points]
             configs = list(self.configs) + [c for p in points for c in p.configs]
-            overrides = list(self.set) + [o for p in points for o in p.overrides] + list(extra)
+            picked = list((chosen or {}).get(self.tune_key(points), ()))
+            overrides = list(self.set) + [o for p in points for o in p.overrides] + picked + list(extra)
             job_type = next((p.label for p in points if p.axis == self.job_type_axis), None)
             out.append(
                 RunSpec(
@@ -261,6 +368,17 @@ def parse_experiment(
     if "mode" in wandb and wandb["mode"] not in ("auto", "online", "offline", "disabled"):
         raise fail("wandb.mode", f"expected auto, online, offline or disabled, got {wandb['mode']!r}")
 
+    top_tune = data.get("tune")
+    if top_tune is not None:
+        if not isinstance(top_tune, Mapping):
+            raise fail("tune", "expected a mapping such as {metric: last10, seeds: [100, 101], budget: equal}")
+        bad = [k for k in top_tune if k not in (*TUNE_KEYS, "budget") or k == "grid"]
+        if bad:
+            raise fail(f"tune.{bad[0]}", "unknown key at the top level (known: seeds, metric, mode, val_fraction, "
+                       "budget; the grid goes in each method's tune)")  # fmt: skip
+        if top_tune.get("budget", "equal") not in ("equal", "free"):
+            raise fail("tune.budget", f"expected equal or free, got {top_tune['budget']!r}")
+    defaults = {**TUNE_DEFAULTS, **{k: v for k, v in (top_tune or {}).items() if k != "budget"}}
     axes_data = data.get("axes") or {}
     if not isinstance(axes_data, Mapping):
         raise fail("axes", "expected a mapping axis -> values")
@@ -314,13 +432,25 @@ def parse_experiment(
                 if not isinstance(spec, Mapping):
                     raise fail(vkey, f"expected a config path or a mapping, got {spec!r}")
                 files = config_list(f"{vkey}.config", spec["config"]) if spec.get("config") is not None else []
-                rest = {k: v for k, v in spec.items() if k != "config"}
-                points.append(AxisValue(axis, label, f"{axis}:{label}", tuple(files), tuple(overrides_of(vkey, rest))))
+                rest = {k: v for k, v in spec.items() if k not in ("config", "tune")}
+                tune = None
+                if "tune" in spec:
+                    if axis != "method":
+                        raise fail(f"{vkey}.tune", "only values of the method axis can be tuned")
+                    tune = parse_tune(spec["tune"], defaults, f"{vkey}.tune", fail)
+                points.append(AxisValue(axis, label, f"{axis}:{label}", tuple(files), tuple(overrides_of(vkey, rest)),
+                                        tune=tune))  # fmt: skip
             axes[axis] = points
+    tuning = {s for p in axes.get("method", []) if p.tune is not None for s in p.tune.seeds}
+    clash = sorted(tuning & {p.value for p in axes.get("seed", [])})
+    if clash:
+        raise fail("axes.seed", f"seed {clash[0]} is also a tuning seed; fix: tuning seeds and the final runs' seeds "
+                   "must differ (fresh seeds for the reported runs)")  # fmt: skip
     job_type_axis = data.get("job_type", "method" if "method" in axes else None)
     if job_type_axis is not None and job_type_axis not in axes:
         raise fail("job_type", f"{job_type_axis!r} is not an axis (axes: {', '.join(axes) or 'none'})")
 
+    check_budget(axes, data.get("tune"), fail)
     report = dict(data.get("report") or {})
     bad = [k for k in report if k not in REPORT_KEYS]
     if bad:
@@ -353,6 +483,63 @@ def parse_experiment(
         description=str(description),
         batch_runs=batch_runs,
     )
+
+
+def parse_tune(value: Any, defaults: Mapping[str, Any], key: str, fail: Any) -> Tune:
+    """A method's ``tune`` block (over the top-level defaults); every problem is one line naming the key."""
+    if not isinstance(value, Mapping):
+        raise fail(key, f"expected a mapping {{grid: {{dotted.key: [values]}}, metric: last10, seeds: [100, 101]}}, "
+                   f"got {value!r}")  # fmt: skip
+    bad = [k for k in value if k not in TUNE_KEYS]
+    if bad:
+        raise fail(f"{key}.{bad[0]}", f"unknown key (known: {', '.join(TUNE_KEYS)})")
+    merged = {**defaults, **value}
+    grid = merged.get("grid")
+    if not isinstance(grid, Mapping) or not grid:
+        raise fail(f"{key}.grid", f"expected a mapping dotted.key -> [values], e.g. {{model.lr: [0.01, 0.05]}}, got "
+                   f"{grid!r}")  # fmt: skip
+    items, leaves = [], set()
+    for k, values in grid.items():
+        if not isinstance(k, str) or not KEY.match(k) or "." not in k:
+            raise fail(f"{key}.grid.{k}", "expected a dotted config key such as model.lr")
+        if not isinstance(values, list) or not values or any(isinstance(v, (dict, list)) for v in values):
+            raise fail(f"{key}.grid.{k}", f"expected a non-empty list of scalar values, got {values!r}")
+        if len({arg_value(v) for v in values}) != len(values):
+            raise fail(f"{key}.grid.{k}", f"a value is given twice ({arg_value(values)}); fix: list each value once")
+        leaf = k.rsplit(".", 1)[1]
+        if leaf in leaves:
+            raise fail(f"{key}.grid.{k}", f"two grid keys end in {leaf!r} (the point labels would clash)")
+        leaves.add(leaf)
+        for v in values:
+            if not LABEL.match(f"{leaf}={arg_value(v)}"):
+                raise fail(f"{key}.grid.{k}", f"{v!r} cannot be used in a folder name")
+        items.append((k, tuple(values)))
+    seeds = merged.get("seeds")
+    if (not isinstance(seeds, list) or not seeds or len(set(seeds)) != len(seeds)
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds)):  # fmt: skip
+        raise fail(f"{key}.seeds", f"expected a non-empty list of distinct integer seeds, got {seeds!r}")
+    metric = merged.get("metric")
+    if not isinstance(metric, str) or not metric:
+        raise fail(f"{key}.metric", f"expected a summary.json figure such as last10, got {metric!r}")
+    if merged.get("mode") not in ("max", "min"):
+        raise fail(f"{key}.mode", f"expected max or min, got {merged.get('mode')!r}")
+    vf = merged.get("val_fraction")
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 < vf < 1:
+        raise fail(f"{key}.val_fraction", f"expected a fraction in (0, 1) (tuning reads the validation split), "
+                   f"got {vf!r}")  # fmt: skip
+    return Tune(tuple(items), tuple(seeds), metric, merged["mode"], float(vf))
+
+
+def check_budget(axes: Mapping[str, list[AxisValue]], top: Any, fail: Any) -> None:
+    """``budget: equal`` (the default): every method of a tuned file gets the same number of tuning trials."""
+    methods = axes.get("method", [])
+    if not any(p.tune is not None for p in methods) or (isinstance(top, Mapping) and top.get("budget") == "free"):
+        return
+    trials = {p.label: p.tune.trials if p.tune is not None else 0 for p in methods}
+    if len(set(trials.values())) > 1:
+        (a, na), (b, nb) = sorted(trials.items(), key=lambda kv: kv[1])[:: len(trials) - 1]
+        raise fail("axes.method", f"unequal tuning budgets: {a} gets {na} trials, {b} {nb} (grid points × tuning "
+                   "seeds); fix: equal grids, or tune.budget: free")  # fmt: skip
 
 
 def resolve_path(value: str, base: Path | None, error: Any) -> str:
