@@ -14,6 +14,9 @@ Workloads (``--workloads``; any module in ``EXTRA_MODULES`` may register more wi
 * ``pfllib_cnn``: PFLlib's FedAvgCNN on CIFAR-10-shaped random tensors, 100 clients × 500 train / 100 test images,
   10 clients per round, FedRep with 10 head epochs + 1 body epoch, batch 10, SGD lr 0.01, momentum 0.5;
 * ``fedrep_cnn_aug``: the FedRep authors' CNNCifar on the same data with batched crop+flip augmentation;
+* ``methods_cnn``: every exported gradient algorithm (``gradient_algorithms``) on ``pfllib_cnn``'s data and network
+  with its constructor's defaults, the sequential reference against ``model.executor: auto``, and each method's
+  sequential s/round over FedAvg's (``--methods`` picks some, ``--clients`` / ``--samples`` shrink it);
 * ``fedrep_phases``: ``pfllib_cnn``'s round split into FedRep's head and body phases, per executor, and the
   speedup ceiling the body phase sets;
 * ``conv_clients``: a body epoch of 10 clients' per-client conv weights, client by client vs ``vmap`` (one grouped
@@ -34,6 +37,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import platform
 import resource
 import statistics
@@ -48,13 +52,15 @@ from typing import Any
 import torch
 
 from datamodules.augment import CropFlip
+from fl_lightning import algorithms
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.engine import stacked as executors
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
-from fl_lightning.engine.executor import client_context, vector_context
+from fl_lightning.engine.executor import client_context, decide, vector_context
 from fl_lightning.engine.host_syncs import count_host_reads
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler
+from fl_lightning.errors import ConfigError
 from fl_lightning.models import CifarCNN, DigitsMLP, FedAvgCNN
 from fl_lightning.models.split import SplitModel, mlp_layers
 from fl_lightning.results import bar_chart, format_table, record, write_results
@@ -62,8 +68,8 @@ from fl_lightning.results import bar_chart, format_table, record, write_results
 #: modules that register more workloads when imported
 EXTRA_MODULES: tuple[str, ...] = ()
 DEFAULT_WORKLOADS = [
-    "pfllib_cnn", "fedrep_cnn_aug", "fedrep_phases", "conv_clients", "digits_fedavg", "scale", "digits_precision",
-    "run_axis",
+    "pfllib_cnn", "methods_cnn", "fedrep_cnn_aug", "fedrep_phases", "conv_clients", "digits_fedavg", "scale",
+    "digits_precision", "run_axis",
 ]  # fmt: skip
 WORKLOADS: dict[str, Callable[[Bench], None]] = {}
 
@@ -153,6 +159,8 @@ class Bench:
     device: torch.device
     rows: list[tuple] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
+    method_rows: list[list] = field(default_factory=list)  #: ``methods_cnn``'s table, printed again at the end
+    method_skipped: dict[str, str] = field(default_factory=dict)  #: ``methods_cnn``: method → why it cannot run
 
     @property
     def name(self) -> str:
@@ -301,7 +309,10 @@ class TinyMLP(SplitModel):
 def module_for(
     algorithm, net, fed: FederatedData, executor: str, device: torch.device | str = "cpu"
 ) -> FederatedModule:
-    module = FederatedModule(algorithm, net, lr=0.01, momentum=0.5, batch_size=10, executor=executor)
+    aggregation = "uniform" if algorithm.needs_uniform_aggregation else "num_samples"  # FedMTL's exact mean
+    module = FederatedModule(
+        algorithm, net, lr=0.01, momentum=0.5, batch_size=10, executor=executor, aggregation=aggregation
+    )
     module.attach_data(fed)
     module.to(device)
     module.fed = fed.to(device)
@@ -309,8 +320,23 @@ def module_for(
 
 
 def sizes(args: argparse.Namespace) -> tuple[int, int, int, int]:
-    """(train, test images per client, clients, head epochs): the issue's shape, or tiny with ``--quick``."""
-    return (40, 10, 20, 2) if args.quick else (500, 100, 100, 10)
+    """(train, test images per client, clients, head epochs): the issue's shape, or tiny with ``--quick``;
+    ``--samples`` and ``--clients`` override the first and third."""
+    train, test, clients, head = (40, 10, 20, 2) if args.quick else (500, 100, 100, 10)
+    return getattr(args, "samples", None) or train, test, getattr(args, "clients", None) or clients, head
+
+
+def gradient_algorithms() -> dict[str, type[algorithms.Algorithm]]:
+    """Every exported algorithm that trains with ``ctx.sgd``: the rule is the declared ``supports_frozen``, which
+    the closed-form methods (LinearFedAvg, LinearFedRep, AlternatingGD, IFCA and its subclasses FedMD and
+    OneShotClustering, PowerInitLocalGD) set to False because their steps are not steps of the client optimiser."""
+    found = {}
+    for name in algorithms.__all__:
+        cls = getattr(algorithms, name)
+        if inspect.isclass(cls) and issubclass(cls, algorithms.Algorithm) and cls is not algorithms.Algorithm:
+            if cls.supports_frozen:
+                found[name] = cls
+    return found
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------------
@@ -319,6 +345,76 @@ def pfllib_cnn(bench: Bench) -> None:
     n_train, n_test, n_clients, head = sizes(bench.args)
     data = image_data(n_clients, n_train, n_test)
     bench.compare("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head, 1), 10, 10 * n_train * (head + 1))
+
+
+METHOD_HEADERS = ["method", "auto path", "sequential s/round", "auto s/round", "seq/auto", "seq / FedAvg seq"]
+
+#: why a whole-model epoch bounds the stacked path on the CPU (``fedrep_phases``' reasoning, printed with the table)
+ARITHMETIC_BOUND = (
+    "a whole-model epoch is arithmetic-bound on the CPU: every client trains its own copy of every layer, as in "
+    "FedRep's body phase, so stacking clients shares no arithmetic on one thread and saves only per-step overhead "
+    "(fedrep_phases measures that ceiling: sequential round / vectorized body phase)"
+)
+
+
+@workload("methods_cnn")
+def methods_cnn(bench: Bench) -> None:
+    """``pfllib_cnn``'s data and network (FedAvgCNN, batch 10, 10 clients per round) for every gradient algorithm
+    with its constructor's defaults (FedRep 10 + 1 epochs, pFedMe 20 steps, the others mostly 1 epoch): s/round of
+    the sequential reference and of ``model.executor: auto``, their ratio, which path ``auto`` chose
+    (``fl_lightning.engine.executor.decide``), and the method's sequential s/round over FedAvg's sequential s/round
+    timed in the same turns (the check of issue 32 that no method's loop costs more than FedAvg's work plus its own
+    extra). The three take turns round by round, so that load drifting over the run slows them alike."""
+    n_train, n_test, n_clients, _ = sizes(bench.args)
+    per_round = min(10, n_clients)
+    data = image_data(n_clients, n_train, n_test)
+    chosen = gradient_algorithms()
+    wanted = bench.args.methods or list(chosen)
+    unknown = sorted(set(wanted) - set(chosen))
+    if unknown:
+        raise SystemExit(f"error: --methods {unknown[0]} is not a gradient algorithm; pick from {' '.join(chosen)}")
+    wanted = ["FedAvg", *(n for n in wanted if n != "FedAvg")]  # first: the reference of the last column
+    where = bench.setting("methods_cnn", clients=n_clients, per_round=per_round)
+    table = []
+    for name in wanted:
+        modules = []
+        try:  # this method's two paths, and FedAvg's loop as the last column's reference, taking turns per round
+            for algorithm, executor in ((name, "sequential"), (name, "auto"), ("FedAvg", "sequential")):
+                torch.manual_seed(0)
+                modules.append(module_for(chosen[algorithm](), FedAvgCNN(), data, executor, bench.device))
+        except ConfigError as error:  # the method does not apply to this network (FedBN needs BatchNorm)
+            bench.method_skipped[name] = str(error)
+            print(f"  methods_cnn      {name}: skipped, {error}", flush=True)
+            continue
+        path = decide(modules[1], per_round)
+        if name == "FedAvg":
+            modules.pop()  # its own loop is the reference
+        seq, auto, *ref = bench.time_interleaved(modules, per_round, "fp32")
+        fedavg = (ref[0] if ref else seq)["train_s_per_round"]
+        seq["speedup"] = 1.0
+        auto["speedup"] = seq["train_s_per_round"] / auto["train_s_per_round"]
+        bench.add("methods_cnn", f"{name} sequential", seq, clients=n_clients, per_round=per_round, method=name)
+        bench.add("methods_cnn", f"{name} auto", auto, clients=n_clients, per_round=per_round, method=name,
+                  path=path.path)  # fmt: skip
+        over = seq["train_s_per_round"] / fedavg
+        bench.records.append(record("bench", f"{name} sequential", "fedavg_seq_s_per_round", fedavg, setting=where))
+        bench.records.append(record("bench", f"{name} sequential", "seq_over_fedavg_seq", over, setting=where))
+        table.append([name, path.path, seq["train_s_per_round"], auto["train_s_per_round"], auto["speedup"], over])
+    bench.method_rows = table
+    print_methods_table(bench)
+
+
+def print_methods_table(bench: Bench) -> None:
+    """The per-method table of ``methods_cnn`` and the line on where a whole-model epoch is arithmetic-bound."""
+    print()
+    print(f"methods_cnn on {bench.name}: median of {bench.args.rounds} rounds; seq/auto = sequential / auto")
+    print(format_table(METHOD_HEADERS, bench.method_rows))
+    for name, why in bench.method_skipped.items():
+        print(f"  {name} skipped: {why}")
+    print(f"  {ARITHMETIC_BOUND}")
+    ceilings = [r["value"] for r in bench.records if r["metric"] == "speedup_ceiling"]
+    if ceilings:
+        print(f"  fedrep_phases in this run: the body phase bounds the round's speedup at {ceilings[-1]:.2f}×")
 
 
 @workload("fedrep_cnn_aug")
@@ -482,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (median)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--clients", type=int, help="clients in the image workloads (default 100, --quick 20)")
+    parser.add_argument("--samples", type=int, help="training images per client (default 500, --quick 40)")
+    parser.add_argument("--methods", nargs="+", metavar="NAME", help="methods_cnn: these methods only (and FedAvg)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     parser.add_argument("--autocast", action="store_true", help="also bf16 autocast on the CPU")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 on CUDA (train.py's)")
@@ -505,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"client work per round on {bench.name}, median of {args.rounds} rounds; speedup vs sequential fp32")
     print(format_table(TABLE_HEADERS, bench.rows))
+    if bench.method_rows:
+        print_methods_table(bench)
     args.out.mkdir(parents=True, exist_ok=True)
     timed = [(w, v, t) for w, v, t, *_ in bench.rows if t == t and not w.startswith(("scale", "digits_precision"))]
     if timed:
