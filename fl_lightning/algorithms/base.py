@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -166,3 +167,46 @@ class Algorithm(nn.Module):
             loss=loss,
         )
 
+
+class PersonalModels(Algorithm):
+    """A method whose every client keeps a whole personal model in the bank (names ``local_prefix + parameter``)
+    and uploads how it changed (``delta_prefix + parameter``): Fed-MTL and L2GD. The server sends the global model;
+    a client trains and is evaluated with its own model (the global one until it has trained)."""
+
+    local_prefix: str = "local."
+    delta_prefix: str = "delta."
+
+    def init_client_state(self, global_params: Params) -> Params:
+        return {self.local_prefix + n: global_params[n] for n in self.trained_names(global_params)}
+
+    def upload_template(self, global_params: Params) -> Params:
+        return {
+            self.delta_prefix + n: global_params[n]
+            for n in self.trained_names(global_params)
+            if global_params[n].is_floating_point()
+        }
+
+    def download_template(self, global_params: Params) -> Params:
+        return {n: global_params[n] for n in self.trained_names(global_params)}
+
+    def client_model(self, global_params: Params, state: Params) -> Params:
+        return {n: state.get(self.local_prefix + n, t) for n, t in global_params.items()}
+
+    def personal_update(self, ctx: Client, start: Params, new: Params, loss: Tensor | float) -> ClientUpdate:
+        """Upload Δ = new − start (floating parameters) and keep ``new`` as the client's personal model."""
+        kept = [n for n in self.trained_names(start) if start[n].is_floating_point()]
+        return ClientUpdate(
+            upload={self.delta_prefix + n: new[n] - start[n] for n in kept},
+            state={self.local_prefix + n: new[n] for n in self.trained_names(new)},
+            num_samples=ctx.num_samples,
+            loss=loss,
+        )
+
+    @torch.no_grad()
+    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+        """w̄ ← w̄ + (|S|/N)·mean_{i∈S} Δ_i: the global model stays the mean of all N personal models (only the
+        cohort's changed; ``num_clients`` is set in ``setup``)."""
+        cohort = self.num_aggregated
+        for n, t in global_params.items():
+            if self.delta_prefix + n in averaged_extra:
+                t.add_(averaged_extra[self.delta_prefix + n].to(t.dtype), alpha=cohort / self.num_clients)

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import ClientUpdate, PersonalModels
 from fl_lightning.client import ClientContext, Params, Penalty
 
 LOCAL = "w."
@@ -40,7 +39,8 @@ def code_scale(dim: int) -> float:
     return 10.0 ** -(int(math.log10(dim) + 1) + 1)
 
 
-class FedMTL(Algorithm):
+class FedMTL(PersonalModels):
+    local_prefix, delta_prefix = LOCAL, DELTA
     vectorizable = True  # ctx.sgd with a Penalty and dict operations
     state_prefixes = (LOCAL,)
     reveals = "Δw_i, the change of the client's personal model w_i over its local epochs (a function of w_i)"
@@ -57,22 +57,6 @@ class FedMTL(Algorithm):
         dim = sum(t.numel() for t in global_params.values() if t.is_floating_point())
         self.scale = code_scale(dim) if self.reg_scale is None else self.reg_scale
 
-    def init_client_state(self, global_params: Params) -> Params:
-        return {LOCAL + n: global_params[n] for n in self.trained_names(global_params)}
-
-    def upload_template(self, global_params: Params) -> Params:
-        return {
-            DELTA + n: global_params[n]
-            for n in self.trained_names(global_params)
-            if global_params[n].is_floating_point()
-        }
-
-    def download_template(self, global_params: Params) -> Params:
-        return {n: global_params[n] for n in self.trained_names(global_params)}
-
-    def client_model(self, global_params: Params, state: Params) -> Params:
-        return {n: state.get(LOCAL + n, t) for n, t in global_params.items()}
-
     def penalty(self, params: Params, mean: Params) -> Tensor:
         """s·(‖w‖² + ‖w − w̄‖²): the regulariser's terms in the client's column (same gradient, w̄ fixed)."""
         return self.scale * sum((params[n] ** 2).sum() + ((params[n] - mean[n]) ** 2).sum() for n in mean)
@@ -84,14 +68,4 @@ class FedMTL(Algorithm):
         w = self.client_model(global_params, state)
         mean = {n: global_params[n].detach() for n in ctx.param_names}
         new = ctx.sgd(w, ctx.param_names, self.local_epochs, penalty=self.regulariser(mean, ctx.param_names))
-        kept = [n for n in self.trained_names(w) if w[n].is_floating_point()]
-        upload = {DELTA + n: new[n] - w[n] for n in kept}
-        state = {LOCAL + n: new[n] for n in self.trained_names(new)}
-        return ClientUpdate(upload, state, ctx.num_samples, loss=ctx.train_loss)
-
-    @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        cohort = self.num_aggregated
-        for n, t in global_params.items():
-            if DELTA + n in averaged_extra:
-                t.add_(averaged_extra[DELTA + n].to(t.dtype), alpha=cohort / self.num_clients)
+        return self.personal_update(ctx, w, new, ctx.train_loss)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import ClientUpdate, PersonalModels
 from fl_lightning.client import ClientContext, Params, make_generator
 from fl_lightning.errors import ConfigError
 
@@ -37,7 +37,8 @@ LOCAL = "x."
 DELTA = "delta_x."
 
 
-class L2GD(Algorithm):
+class L2GD(PersonalModels):
+    local_prefix, delta_prefix = LOCAL, DELTA
     vectorizable = True  # ctx.sgd, ctx.mean_loss and dict operations
     state_prefixes = (LOCAL,)
     reveals = (
@@ -68,22 +69,6 @@ class L2GD(Algorithm):
                 f"L2GD: the aggregation step ηλ = αλ/(N(1−p)) = {self.mixing:.3g} must be in [0, 1]; lower alpha or lam"
             )
 
-    def init_client_state(self, global_params: Params) -> Params:
-        return {LOCAL + n: global_params[n] for n in self.trained_names(global_params)}
-
-    def upload_template(self, global_params: Params) -> Params:
-        return {
-            DELTA + n: global_params[n]
-            for n in self.trained_names(global_params)
-            if global_params[n].is_floating_point()
-        }
-
-    def download_template(self, global_params: Params) -> Params:
-        return {n: global_params[n] for n in self.trained_names(global_params)}
-
-    def client_model(self, global_params: Params, state: Params) -> Params:
-        return {n: state.get(LOCAL + n, t) for n, t in global_params.items()}
-
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         x = self.client_model(global_params, state)
         if self.aggregation_round(ctx.seed, ctx.round):
@@ -93,14 +78,4 @@ class L2GD(Algorithm):
         else:
             new = ctx.sgd(x, ctx.param_names, self.local_epochs)
             loss = ctx.train_loss
-        kept = [n for n in self.trained_names(x) if x[n].is_floating_point()]
-        upload = {DELTA + n: new[n] - x[n] for n in kept}
-        state = {LOCAL + n: new[n] for n in self.trained_names(new)}
-        return ClientUpdate(upload, state, ctx.num_samples, loss=loss)
-
-    @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        cohort = self.num_aggregated
-        for n, t in global_params.items():
-            if DELTA + n in averaged_extra:
-                t.add_(averaged_extra[DELTA + n].to(t.dtype), alpha=cohort / self.num_clients)
+        return self.personal_update(ctx, x, new, loss)

@@ -9,8 +9,8 @@ import lightning as L
 import torch
 
 from fl_lightning.algorithms import FedRep
+from fl_lightning.client import derive_seed, make_generator
 from fl_lightning.engine.module import FederatedModule
-from fl_lightning.engine.rounds import derive_seed, make_generator
 from fl_lightning.models import DigitsMLP
 from tests.helpers.digits_runs import digits
 from tests.helpers.training import fit
