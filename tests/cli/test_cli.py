@@ -304,6 +304,8 @@ def test_wandb_gets_histograms_the_client_table_and_the_summary(tmp_path, monkey
 def test_a_logger_from_the_config_gets_the_full_config(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    if "wandb" in sys.modules:  # W&B keeps the settings of its first setup in this process (an earlier test's mode)
+        sys.modules["wandb"].teardown()
     logger = {"class_path": "lightning.pytorch.loggers.WandbLogger",
               "init_args": {"save_dir": str(tmp_path / "mine"), "project": "mine", "group": "g"}}  # fmt: skip
     assert train_2(tmp_path / "run", "--trainer.max_steps", "2", "--trainer.logger", json.dumps(logger)) == 0
