@@ -269,9 +269,45 @@ def evaluate_new_clients(module: Module, round_idx: int, new: FederatedData) -> 
         module.fed, module.client_scores = saved
 
 
+@torch.no_grad()
+def class_shares(module: Module, split: str) -> dict[str, float]:
+    """Whether the evaluated models collapsed onto one class (issue 31): over this process's clients' ``split``
+    (summed over processes), the share of all predictions that fall in the most predicted class
+    (``top_class_share``) and the share of the most frequent true label (``label_top_class_share``), each client
+    scored with its plain model (``Algorithm.client_model``, no evaluation-time adaptation). A global model that
+    predicts one class everywhere gives 1.0 where the labels give far less."""
+    fed, net, algorithm = module.fed, module.net, module.algorithm
+    trainer = module._trainer
+    world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
+    predicted = torch.zeros(fed.num_classes, dtype=torch.long, device=module.device)
+    labels = torch.zeros_like(predicted)
+    glob, was_training = module.global_params(), net.training
+    net.eval()
+    for c in range(rank, fed.num_clients, world):
+        x, y = fed.evaluation_split(split).client(c)
+        if x.shape[0] == 0:
+            continue
+        params = algorithm.client_model(glob, module.bank.get(c))
+        for i in range(0, x.shape[0], 2048):  # in slices, as score_client
+            xb = x[i : i + 2048]
+            side = None if fed.side is None else fed.side[c].expand(xb.shape[0], *fed.side[c].shape)
+            out = algorithm.predict(net, params, xb, side)
+            predicted += torch.bincount(out.argmax(-1), minlength=fed.num_classes)
+        labels += torch.bincount(y, minlength=fed.num_classes)
+    net.train(was_training)
+    if world > 1:
+        predicted, labels = (trainer.strategy.reduce(t, reduce_op="sum") for t in (predicted, labels))
+    total = max(int(labels.sum()), 1)
+    top_predicted, top_label = int(predicted.max()) / total, int(labels.max()) / total
+    return {"final/top_class_share": top_predicted, "final/label_top_class_share": top_label}
+
+
 def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, float]:
-    """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
+    """Held-out new clients (if the DataModule has them; their test split), "+FT" (if configured) and, for
+    classification, the prediction shares of ``class_shares``."""
     out: dict[str, float] = {}
+    if module.fed.num_classes is not None:
+        out.update(class_shares(module, split))
     new = getattr(getattr(module._trainer, "datamodule", None), "new_clients", None)
     if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
         name, key = ("acc", "acc_mean") if module.fed.num_classes is not None else ("mse", "loss_mean")

@@ -416,6 +416,7 @@ class FederatedModule(L.LightningModule):
         for name in ("acc", "mse"):
             if f"final/new_clients_{name}" in end:
                 summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
+        summary.update({k.removeprefix("final/"): v for k, v in end.items() if k.endswith("class_share")})
         self.final_clients = self.last_evaluation
         # final, last10, best and final_{std,worst10,min} are always the plain run's; X+FT is an evaluation of the
         # same run, kept under its own names (final_ft, final_ft_{std,worst10,min}), so no table mixes the two

@@ -22,6 +22,8 @@ from fl_lightning.results import FINETUNED, finetuned_figure, record, reported_f
 NOT_ACCURACY = ("loss", "bytes", "wall", "rounds", "mse", "dist", "samples", "seconds", "classes")
 #: a run is "at chance" when its mean client accuracy is within this fraction of the way from chance to 1
 AT_CHANCE_MARGIN = 0.05
+#: a run's models "predict one class" when at least this share of all their test predictions is one class
+ONE_CLASS_SHARE = 0.9
 LOCAL_ONLY = "LocalOnly"
 MAIN_FIGURES = ("final", "last10", "best")
 FORMATS = ("md", "csv", "latex")
@@ -105,7 +107,9 @@ class Table:
         if self.flags:
             text += (
                 f"; flags: 'at chance' = a run's mean client accuracy (last10) within {AT_CHANCE_MARGIN:.0%} of the "
-                f"way from chance (1/classes) to 1, a collapse, not the method's result; 'below Local-only' = the "
+                f"way from chance (1/classes) to 1, a collapse, not the method's result; 'predicts one class' = "
+                f"at least {ONE_CLASS_SHARE:.0%} of a run's final test predictions are one class (rarer among the "
+                f"labels); 'below Local-only' = the "
                 f"first figure under that of Local-only with the same other labels"
             )
         return text
@@ -228,8 +232,19 @@ def at_chance(run: RunResult) -> bool:
     return float(value) < chance + AT_CHANCE_MARGIN * (1.0 - chance)
 
 
+def predicts_one_class(run: RunResult) -> bool:
+    """Whether the run's models put at least ``ONE_CLASS_SHARE`` of all their final predictions into one class
+    while the labels' most frequent class is rarer (``top_class_share`` and ``label_top_class_share`` of the
+    summary, written by ``engine.evaluation.class_shares``); unknown (False) without them."""
+    predicted, labels = run.summary.get("top_class_share"), run.summary.get("label_top_class_share")
+    if not isinstance(predicted, (int, float)) or not isinstance(labels, (int, float)):
+        return False
+    return predicted >= ONE_CLASS_SHARE > labels
+
+
 def collapse_flags(groups: dict[tuple[str, ...], list[RunResult]], by: Sequence[str], key: str) -> dict:
-    """What to say beside a group's numbers: runs at chance (``at_chance``), and a mean ``key`` (the "+FT" figure
+    """What to say beside a group's numbers: runs at chance (``at_chance``), runs whose models predict one class
+    (``predicts_one_class``), and a mean ``key`` (the "+FT" figure
     for a "+FT" run, ``reported_figure``) below that of the Local-only group with the same labels on every other
     axis of ``by``; "" when nothing."""
     def mean_of(runs: list[RunResult]) -> float:
@@ -244,6 +259,9 @@ def collapse_flags(groups: dict[tuple[str, ...], list[RunResult]], by: Sequence[
         collapsed = sum(at_chance(r) for r in runs)
         if collapsed:
             out.append(f"at chance ({collapsed}/{len(runs)} runs)")
+        one_class = sum(predicts_one_class(r) for r in runs)
+        if one_class:
+            out.append(f"predicts one class ({one_class}/{len(runs)} runs)")
         if labels not in local and not lower_is_better:
             for local_labels, local_runs in local.items():
                 differ = [a for a, x, y in zip(by, labels, local_labels) if x != y]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -154,6 +155,13 @@ def test_summary_keeps_the_plain_figures_plain_with_finetune() -> None:
     assert s["final_ft"] != s["final"] and s["final_ft_min"] == pytest.approx(float(ft.acc_per_client.min()))
     assert s["final_min"] == pytest.approx(float(module.last_evaluation.acc_per_client.min()))
     assert "plain_final" not in s and "plain_last10" not in s
+    # the collapse check: pooled predictions of the global model over every client's test split, by hand
+    fed, glob = module.fed, module.global_params()
+    x, y = fed.test.x, fed.test.y
+    with torch.no_grad():
+        pred = torch.func.functional_call(module.net.eval(), glob, (x,)).argmax(-1)
+    assert s["top_class_share"] == pytest.approx(np.bincount(pred.numpy(), minlength=10).max() / len(y))
+    assert s["label_top_class_share"] == pytest.approx(np.bincount(y.numpy(), minlength=10).max() / len(y))
 
 
 def run(method: str, seed: int, algorithm: str, **summary: float) -> RunResult:
@@ -203,6 +211,18 @@ def test_report_flags_runs_at_chance_and_methods_below_local_only() -> None:
     assert "flags" in table.formatted("csv").splitlines()[0]
     assert not make_table(runs[:3], ["method"], ["last10"]).flags  # nothing wrong: no flags column
     assert "flags" not in make_table(runs[:3], ["method"], ["last10"]).formatted("md").splitlines()[0]
+
+
+def test_report_flags_runs_whose_models_predict_one_class() -> None:
+    runs = [
+        run("moon", 0, "MOON", last10=0.30, classes=10, top_class_share=0.97, label_top_class_share=0.12),
+        run("moon", 1, "MOON", last10=0.60, classes=10, top_class_share=0.40, label_top_class_share=0.12),
+        run("skewed", 0, "FedAvg", last10=0.9, classes=10, top_class_share=0.95, label_top_class_share=0.95),
+        run("old", 0, "FedAvg", last10=0.9, classes=10),  # a summary from before the check: no claim
+    ]
+    table = make_table(runs, ["method"], ["last10"])
+    assert table.flags == {("moon",): "predicts one class (1/2 runs)"}
+    assert "'predicts one class' = at least 90%" in table.formatted("md")
 
 
 def test_at_chance_threshold_scales_with_the_number_of_classes() -> None:
