@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning import client
-from fl_lightning.algorithms import FedAvg, FedBN
+from fl_lightning.algorithms import FedAvg, FedBN, FedRoD, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.engine.rounds import make_generator
@@ -84,10 +84,12 @@ def train(executor: str, drop_last: bool, batch_size: int = 40, network: nn.Modu
     return module
 
 
-def test_sequential_and_vectorized_executors_agree_with_drop_last() -> None:
-    """Client sizes 290, 285, 288, 287, 288 and batch 40: every client has a partial last batch."""
-    seq, vec = train("sequential", True), train("vectorized", True)
-    plain = train("sequential", False)
+@pytest.mark.parametrize("algorithm", [FedAvg, PFedMe, FedRoD], ids=lambda a: a.__name__)
+def test_sequential_and_vectorized_executors_agree_with_drop_last(algorithm: type) -> None:
+    """Client sizes 290, 285, 288, 287, 288 and batch 40: every client has a partial last batch. pFedMe's
+    personal steps and FedRoD's two heads run through the same client SGD, so drop_last reaches them too."""
+    seq, vec = train("sequential", True, algorithm=algorithm()), train("vectorized", True, algorithm=algorithm())
+    plain = train("sequential", False, algorithm=algorithm())
     for name, value in seq.global_params().items():
         assert_close_finite(vec.global_params()[name], value, rtol=2e-4, atol=2e-5)
     diff = max(float((seq.global_params()[n] - plain.global_params()[n]).abs().max()) for n in plain.global_params())
