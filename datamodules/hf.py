@@ -15,13 +15,13 @@ lists. ``group_column`` (e.g. a writer id) gives natural clients for ``Natural``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from datamodules.common import PartitionedDataModule, Pools
-from datamodules.partition import Partitioner
 from fl_lightning.errors import ConfigError
 
 
@@ -95,8 +95,6 @@ class HFDataModule(PartitionedDataModule):
     def __init__(
         self,
         path: str,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
         name: str | None = None,
         feature_column: str = "image",
         label_column: str = "label",
@@ -105,21 +103,9 @@ class HFDataModule(PartitionedDataModule):
         test_split: str | None = "test",
         num_classes: int | None = None,
         cache_dir: str | None = None,
-        classes: list[int] | None = None,
-        holdout_clients: int = 0,
-        transfer_classes: list[int] | None = None,
-        transfer_clients: int = 0,
-        transfer_partition: Partitioner | None = None,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            num_clients, partition, classes, holdout_clients, transfer_classes, transfer_clients,
-            transfer_partition, write_report, clients_per_round, participation, seed, val_fraction,
-        )  # fmt: skip
+        super().__init__(**kwargs)  # num_clients, partition, …: PartitionedDataModule
         self.path, self.name, self.cache_dir = path, name, cache_dir
         self.feature_column, self.label_column, self.group_column = feature_column, label_column, group_column
         self.train_split, self.test_split, self.num_classes = train_split, test_split, num_classes

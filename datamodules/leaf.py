@@ -61,27 +61,10 @@ class LeafDataModule(PartitionedDataModule):
     dataset = "LEAF"
     hint = ""
 
-    def __init__(
-        self,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
-        data_dir: str = "data/leaf",
-        classes: list[int] | None = None,
-        holdout_clients: int = 0,
-        transfer_classes: list[int] | None = None,
-        transfer_clients: int = 0,
-        transfer_partition: Partitioner | None = None,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
-    ) -> None:
-        super().__init__(
-            num_clients, partition if partition is not None else Natural(), classes, holdout_clients,
-            transfer_classes, transfer_clients, transfer_partition, write_report, clients_per_round,
-            participation, seed, val_fraction,
-        )  # fmt: skip
+    def __init__(self, partition: Partitioner | None = None, data_dir: str = "data/leaf", **kwargs: Any) -> None:
+        """``partition``: default ``Natural()`` (one client per LEAF user); ``data_dir``: the folder holding
+        LEAF's ``train/`` and ``test/``; the other arguments as :class:`PartitionedDataModule`."""
+        super().__init__(partition=partition if partition is not None else Natural(), **kwargs)
         self.data_dir = Path(data_dir)
 
     def read(self) -> tuple[UserData, UserData, list[str]]:
@@ -170,23 +153,9 @@ class ShakespeareDataModule(LeafDataModule):
     dataset = "Shakespeare"
     hint = "run LEAF's data/shakespeare/preprocess.sh and point data_dir at data/shakespeare/data"
 
-    def __init__(
-        self,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
-        data_dir: str = "data/leaf/shakespeare/data",
-        seq_len: int = 80,
-        holdout_clients: int = 0,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
-    ) -> None:
-        super().__init__(
-            num_clients, partition, data_dir, None, holdout_clients, None, 0, None, write_report,
-            clients_per_round, participation, seed, val_fraction,
-        )  # fmt: skip
+    def __init__(self, data_dir: str = "data/leaf/shakespeare/data", seq_len: int = 80, **kwargs: Any) -> None:
+        """``seq_len``: characters of context per sample; the other arguments as :class:`LeafDataModule`."""
+        super().__init__(data_dir=data_dir, **kwargs)
         self.seq_len = seq_len
 
     def load(self) -> Pools:
@@ -236,18 +205,11 @@ class Sent140DataModule(LeafDataModule):
         seq_len: int = 25,
         vocab_size: int = 10000,
         glove_path: str | None = None,
-        holdout_clients: int = 0,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
+        **kwargs: Any,
     ) -> None:
+        """``partition``: default ``Natural(min_samples=50)``; the other arguments as :class:`LeafDataModule`."""
         partition = partition if partition is not None else Natural(min_samples=50)
-        super().__init__(
-            num_clients, partition, data_dir, None, holdout_clients, None, 0, None, write_report,
-            clients_per_round, participation, seed, val_fraction,
-        )  # fmt: skip
+        super().__init__(num_clients=num_clients, partition=partition, data_dir=data_dir, **kwargs)
         self.seq_len, self.vocab_size, self.glove_path = seq_len, vocab_size, glove_path
         self.embedding: Tensor | None = None
 

@@ -103,28 +103,10 @@ def read_cifar(tv_class: str, data_dir: Path, name: str, download: bool) -> tupl
 class _CifarBase(PartitionedDataModule):
     name, tv_class, num_classes, mean, std = "", "", 0, (), ()
 
-    def __init__(
-        self,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
-        data_dir: str = "data",
-        download: bool = False,
-        augment: bool = True,
-        classes: list[int] | None = None,
-        holdout_clients: int = 0,
-        transfer_classes: list[int] | None = None,
-        transfer_clients: int = 0,
-        transfer_partition: Partitioner | None = None,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
-    ) -> None:
-        super().__init__(
-            num_clients, partition, classes, holdout_clients, transfer_classes, transfer_clients,
-            transfer_partition, write_report, clients_per_round, participation, seed, val_fraction=val_fraction,
-        )  # fmt: skip
+    def __init__(self, data_dir: str = "data", download: bool = False, augment: bool = True, **kwargs: Any) -> None:
+        """``data_dir``: torchvision's root folder; ``augment``: crop and flip on the training device; the other
+        arguments (``num_clients``, ``partition``, …) as :class:`PartitionedDataModule`."""
+        super().__init__(**kwargs)
         self.data_dir, self.download, self.augment = Path(data_dir), download, augment
 
     def load(self) -> Pools:
@@ -229,27 +211,9 @@ class MNISTDataModule(_IdxBase):
 
     name = "MNIST"
 
-    def __init__(
-        self,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
-        data_dir: str = "data",
-        download: bool = False,
-        classes: list[int] | None = None,
-        holdout_clients: int = 0,
-        transfer_classes: list[int] | None = None,
-        transfer_clients: int = 0,
-        transfer_partition: Partitioner | None = None,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
-    ) -> None:
-        super().__init__(
-            num_clients, partition, classes, holdout_clients, transfer_classes, transfer_clients,
-            transfer_partition, write_report, clients_per_round, participation, seed, val_fraction=val_fraction,
-        )  # fmt: skip
+    def __init__(self, data_dir: str = "data", download: bool = False, **kwargs: Any) -> None:
+        """``data_dir``: torchvision's root folder; the other arguments as :class:`PartitionedDataModule`."""
+        super().__init__(**kwargs)
         self.data_dir, self.download = Path(data_dir), download
 
     def idx_files(self, train: bool) -> tuple[Path, Path]:
@@ -280,27 +244,11 @@ class EMNISTDataModule(_IdxBase):
     name = "EMNIST"
 
     def __init__(
-        self,
-        num_clients: int = 100,
-        partition: Partitioner | None = None,
-        split: Literal["letters", "digits"] = "letters",
-        data_dir: str = "data",
-        download: bool = False,
-        classes: list[int] | None = None,
-        holdout_clients: int = 0,
-        transfer_classes: list[int] | None = None,
-        transfer_clients: int = 0,
-        transfer_partition: Partitioner | None = None,
-        write_report: bool = True,
-        clients_per_round: int | None = None,
-        participation: float | None = 0.1,
-        seed: int | None = None,
-        val_fraction: float = 0.0,
-    ) -> None:
-        super().__init__(
-            num_clients, partition, classes, holdout_clients, transfer_classes, transfer_clients,
-            transfer_partition, write_report, clients_per_round, participation, seed, val_fraction=val_fraction,
-        )  # fmt: skip
+        self, split: Literal["letters", "digits"] = "letters", data_dir: str = "data", download: bool = False,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        """``split``: ``letters`` or ``digits``; the other arguments as :class:`MNISTDataModule`."""
+        super().__init__(**kwargs)
         if split not in ("letters", "digits"):
             raise ConfigError(f"EMNISTDataModule.split must be 'letters' or 'digits', got {split!r}")
         self.split, self.data_dir, self.download = split, Path(data_dir), download

@@ -70,14 +70,29 @@ def refuse(key: str, value: Any, allowed: str, args: list[str], fix: str | None 
     return ConfigError(f"{key} {allowed}, got {shown}{at}; fix: {fix}")
 
 
+def init_default(cls: type, name: str) -> Any:
+    """The default of argument ``name`` of ``cls``'s constructor, looked up the class hierarchy while
+    constructors pass ``**kwargs`` on to their base (as jsonargparse resolves them); ``inspect.Parameter.empty``
+    when there is none."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if name in params:
+            return params[name].default
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return inspect.Parameter.empty
+
+
 def _default(class_path: str | None, name: str) -> Any:
     if not class_path:
         return inspect.Parameter.empty
     module, _, attr = class_path.rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module), attr)
-        return inspect.signature(cls).parameters[name].default
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return init_default(getattr(importlib.import_module(module), attr), name)
+    except (ImportError, AttributeError, TypeError, ValueError):
         return inspect.Parameter.empty
 
 

@@ -14,8 +14,10 @@ this keeps explicit values and reports a contradiction instead.)
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
+from fl_lightning.config_checks import init_default
 from fl_lightning.errors import ConfigError
 
 
@@ -35,10 +37,8 @@ def _data_value(data: Any, key: str) -> Any:
     cls = _import(str(data.get("class_path", "")))
     if cls is None:
         return None
-    import inspect
-
-    param = inspect.signature(cls.__init__).parameters.get(key)
-    return None if param is None or param.default is inspect.Parameter.empty else param.default
+    default = init_default(cls, key)
+    return None if default is inspect.Parameter.empty else default
 
 
 def share_sizes(config: Any) -> None:
