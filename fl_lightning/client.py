@@ -149,12 +149,12 @@ class ClientOptimizer:
     def from_config(
         cls,
         factory: OptimizerCallable | None,
-        lr: float = 0.01,
-        momentum: float = 0.5,
-        weight_decay: float = 0.0,
-        batch_size: int = 10,
-        decay_bias: bool = True,
-        drop_last: bool = False,
+        lr: float = lr,  # the defaults are the fields' above, written once
+        momentum: float = momentum,
+        weight_decay: float = weight_decay,
+        batch_size: int = batch_size,
+        decay_bias: bool = decay_bias,
+        drop_last: bool = drop_last,
     ) -> ClientOptimizer:
         """Settings from the model's config; with a ``factory``, its own init args give lr, momentum and weight
         decay. A factory that cannot build, or cannot step without a closure, is a ``ConfigError``."""

@@ -105,11 +105,11 @@ class FederatedModule(L.LightningModule):
         self,
         algorithm: Algorithm,
         network: nn.Module,
-        lr: float = 0.01,
-        momentum: float = 0.5,
-        weight_decay: float = 0.0,
-        batch_size: int = 10,
-        decay_bias: bool = True,
+        lr: float = ClientOptimizer.lr,  # the client optimiser's defaults (spec 000 §3.2), written once there
+        momentum: float = ClientOptimizer.momentum,
+        weight_decay: float = ClientOptimizer.weight_decay,
+        batch_size: int = ClientOptimizer.batch_size,
+        decay_bias: bool = ClientOptimizer.decay_bias,
         aggregation: Literal["uniform", "num_samples"] = "num_samples",
         server_lr: float = 1.0,
         server_momentum: float = 0.0,
@@ -126,7 +126,7 @@ class FederatedModule(L.LightningModule):
         keep_client_optimizer_state: bool = False,
         server_optimizer: OptimizerCallable | None = None,
         server_lr_schedule: LRSchedulerCallable | None = None,
-        drop_last: bool = False,
+        drop_last: bool = ClientOptimizer.drop_last,
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
