@@ -322,3 +322,18 @@ def test_stacked_mlp_gradients_equal_each_clients_own(act, task):
         assert_close_finite(losses[c], ref.detach(), rtol=1e-5, atol=1e-6)
         for n, g in zip(own, ref_grads):
             assert_close_finite(grads[n][c], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_runs_that_differ_only_in_naming_and_seed_are_parsed_once(monkeypatch):
+    """A grid's seeds share one parse (building train.py's parser is a large part of a short batched job)."""
+    from fl_lightning.engine.run_axis import driver
+
+    base = ["--config", str(ROOT / "configs/digits/base.yaml"), "--config", str(ROOT / "configs/digits/fedavg.yaml")]
+    seeds = [[*base, f"--seed_everything={s}", "--run_dir", f"/tmp/r/s{s}", f"--wandb.name=s{s}"] for s in range(3)]
+    other = [*base, "--model.lr", "0.05", "--seed_everything", "4", "--run_dir=/tmp/r/lr"]
+    parsed: list[list[str]] = []
+    monkeypatch.setattr(driver, "parse_config", lambda a: parsed.append(list(a)) or parse_config(a))
+    configs = driver.parse_configs([*seeds, other])
+    assert parsed == [seeds[0], other]
+    assert configs[0] is configs[1] is configs[2] and configs[3]["model"]["lr"] == 0.05
+    assert configs[0]["model"] == parse_config(seeds[2])["model"]

@@ -50,6 +50,30 @@ def parse_config(args: Sequence[str]) -> dict[str, Any]:
     return parse_train_args(list(args))
 
 
+#: arguments that only name or seed a run: runs that differ in nothing else share one parse (``parse_configs``)
+NAMING = ("--seed_everything", "--run_dir", "--wandb.name", "--wandb.group", "--wandb.tags", "--wandb.job_type")
+
+
+def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+    """``parse_config`` of every argument list, once per distinct list without its ``NAMING`` arguments (a grid's
+    seeds parse once: parsing builds train.py's whole parser). What the batch check reads (algorithm, network,
+    trainer, W&B mode) does not depend on those arguments."""
+    cache: dict[tuple[str, ...], dict[str, Any]] = {}
+    out = []
+    for args in arg_lists:
+        key, skip = [], False
+        for a in args:
+            name = a.split("=", 1)[0]
+            if skip or name in NAMING:
+                skip = not skip and "=" not in a  # "--run_dir DIR": drop the value too
+                continue
+            key.append(a)
+        if tuple(key) not in cache:
+            cache[tuple(key)] = parse_config(args)
+        out.append(cache[tuple(key)])
+    return out
+
+
 def batch_signature(config: dict[str, Any]) -> dict[str, str]:
     """What runs of one batch must share: the algorithm class and the network (class and arguments)."""
     model = config.get("model") or {}
@@ -119,7 +143,7 @@ class BatchedRuns:
             raise ConfigError("a batched job needs at least one run")
         self.arg_lists = [list(a) for a in arg_lists]
         self.names = list(names or [f"run {i}" for i in range(len(self.arg_lists))])
-        self.configs = [parse_config(a) for a in self.arg_lists] if check else []
+        self.configs = parse_configs(self.arg_lists) if check else []
         if check:
             check_batchable(self.configs, self.names)
         self.lockstep = Lockstep()
