@@ -111,8 +111,11 @@ class SyncWarnings:
 @pytest.mark.parametrize("case", ["fedrep_mlp", "fedrep_cnn_augment_loop", "ditto_cnn_augment_vmap"])
 def test_a_vectorized_round_on_cuda_synchronises_as_often_with_5_epochs_as_with_1(case):
     """Every synchronising CUDA call of a round (the four reads, Lightning's logged scalars, …): as many with 5×
-    the local steps. Convolutions are vmap-ed over clients on CUDA (``CONV_CLIENTS``)."""
+    the local steps. Convolutions are vmap-ed over clients on CUDA (``CONV_CLIENTS``). A first fit warms the case
+    up and is not counted: the first use of a kernel in a process may synchronise once (seen on an H200: [15, 14]
+    with 1 epoch, then [14, 14] with 5, in the process's first case)."""
     make, network, augment, _ = CASES[case]
+    reads_per_round(make, network, augment, 1, device="gpu", monitor=SyncWarnings)
     one, five = (reads_per_round(make, network, augment, e, device="gpu", monitor=SyncWarnings) for e in (1, 5))
     assert one == five, (one, five)
     assert max(one) <= 32, one
