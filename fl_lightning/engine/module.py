@@ -353,6 +353,7 @@ class FederatedModule(L.LightningModule):
                 self.privacy_stop = (f"privacy budget spent: round {self.rounds_trained + 1} would take ε past "
                                      f"{self.privacy.budget:g} (δ={self.privacy.config.delta:g})")  # fmt: skip
                 log.info("stopping after %d rounds: %s", self.rounds_trained, self.privacy_stop)
+            self.trainer.should_stop = True
             return -1
         # the last eval_last rounds are evaluated whatever the interval (their mean is the reported "last10")
         if evaluation.in_last_rounds(self.trainer, self.eval_last, int(batch["round"])):
