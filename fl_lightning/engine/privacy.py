@@ -29,20 +29,22 @@ What is refused (``check_algorithm``, one ``ConfigError`` line each), decided fr
 
 * ``model.aggregation: num_samples``: the weight would reveal a client's size and scale its contribution past C;
 * an upload that is not a floating model parameter or buffer of the network: non-parameter statistics whose
-  server math is not a clipped mean (SCAFFOLD's control-variate deltas ``c_delta.``, FedProto's prototype sums and
-  class counts, FedDyn's, Fed-MTL's and L2GD's ``delta.`` uploads), or integer buffers (BatchNorm's
-  ``num_batches_tracked``), which cannot carry Gaussian noise;
-* an algorithm with its own ``server_update`` or ``needs_uniform_aggregation`` (FedDyn, FedProto, SCAFFOLD,
-  Fed-MTL, L2GD, the linear and clustering methods): its server state reads ``num_aggregated``, the unnoised count
-  of the clients that reported, or an exact mean of the clients' uploads;
-* evaluation uploads that steer training: a callback that monitors client validation metrics (``EarlyStopping``,
-  ``ModelCheckpoint(monitor=…)``) would choose the released model from unnoised client data.
+  server math is not a clipped mean of model deltas (SCAFFOLD's control-variate deltas ``delta_c.``, FedProto's
+  ``class_feature_sums`` and class counts, FedDyn's ``delta.``, Fed-MTL's ``delta_w.`` and L2GD's ``delta_x.``), or
+  integer buffers (BatchNorm's ``num_batches_tracked``), which cannot carry Gaussian noise;
+* an algorithm with its own ``server_update`` or ``needs_uniform_aggregation``: its server state reads
+  ``num_aggregated``, the unnoised count of the clients that reported, or an exact mean of their uploads
+  (LinearFedRep; by the same rule AlternatingGD, PowerInitLocalGD, FedMD and OneShotClustering);
+* evaluation uploads that steer training: a callback that monitors client metrics (``EarlyStopping``,
+  ``ModelCheckpoint(monitor="val/…")``) would choose the released model from unnoised client data.
 
-Allowed on the digits MLP: FedAvg, FedProx, FedRep, FedPer, LG-FedAvg, FedBABU, Ditto, APFL, FedRoD, FedALA, MOON,
-Per-FedAvg, pFedMe (each uploads shared model parameters only; their personal parts never leave the client).
-The per-client validation metrics, the training loss and the client count are not released under DP
-(``train/loss``, ``train/clients`` are not logged); the evaluation metrics printed at the end are the
-experimenter's measurement of the result, outside the guarantee.
+Allowed (checked on the digits MLP): FedAvg, FedAvgSteps, FedProx, FedRep, FedPer, LG-FedAvg, FedBABU, FedRoD,
+Ditto, APFL, pFedMe, Per-FedAvg, FedALA, MOON (each uploads model parameters only; personal parts and client
+state never leave the client, and a client's state is a function of its own data and of earlier noised models, so
+an upload that depends on it is still one user's contribution, bounded by C). LocalOnly uploads nothing.
+Under DP the clients' training loss and count are not logged (``train/loss``, ``train/clients``); the evaluation
+metrics (``val/…``, the summary) are the experimenter's measurement of the result, computed on the clients' data
+without noise: they are outside the guarantee.
 """
 
 from __future__ import annotations
