@@ -358,3 +358,27 @@ def test_train_py_prints_epsilon_beside_the_accuracy(tmp_path: Path, capsys: pyt
     assert (tmp_path / "run" / "summary.json").read_text().count('"epsilon"') == 1
     metrics = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert "privacy/epsilon" in metrics[0].split(",")
+
+
+@pytest.mark.slow  # four short train.py runs
+def test_runs_batched_on_the_run_axis_equal_solo_runs_with_dp_on(tmp_path: Path) -> None:
+    from fl_lightning.cli import train_config
+    from fl_lightning.engine.run_axis import BatchedRuns
+    from fl_lightning.engine.run_axis.__main__ import seed_runs
+
+    config = str(Path(__file__).resolve().parents[2] / "configs/dp/digits_fedrep.yaml")
+    args = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "1", "--checkpoint_every", "1",
+            "--model.algorithm.init_args.head_epochs", "2", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    job = BatchedRuns(seed_runs(["--config", config, *args, "--run_dir", str(tmp_path / "batched")], [0, 1]))
+    outcomes = job.run()
+    assert [o.status for o in outcomes] == ["done"] * 2, [o.error for o in outcomes]
+    for s in (0, 1):
+        solo = train_config([config], [*args, "--seed_everything", str(s)], run_dir=tmp_path / "solo" / f"s{s}")
+        batched = outcomes[s].summary
+        assert batched["epsilon"] == solo["epsilon"] and batched["rounds"] == solo["rounds"] == 3
+        assert abs(batched["final"] - solo["final"]) < 1e-5
+        sb = torch.load(tmp_path / "batched" / f"s{s}" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        ss = torch.load(tmp_path / "solo" / f"s{s}" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        for name, value in ss.items():
+            if value.is_floating_point():
+                assert_close_finite(sb[name], value, rtol=0, atol=1e-5, msg=name)
