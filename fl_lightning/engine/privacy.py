@@ -13,13 +13,15 @@ Alg. 1 with a fixed denominator) applied to whatever an algorithm uploads:
 * **fixed denominator** (``mean_update``): the noised sum is divided by the expected cohort size m = qN, never by
   the number of clients that reported (which is itself private under Poisson sampling).
 * **sampling as the accountant assumes**: ``fixed`` keeps the round loader's cohort (m of N without replacement:
-  ``SampledWithoutReplacementDpEvent``, replace-one neighbours, which is what the library supports for it);
+  ``SampledWithoutReplacementDpEvent`` with replace-one neighbours, the relation the library supports for it; a
+  replaced client moves the sum by up to 2C, so the library is given the noise multiplier σ/2);
   ``poisson`` draws each of the N clients with rate q = m/N in every round from ``(seed, "dp-poisson", round)``
   (``PoissonSampledDpEvent``, add-or-remove neighbours).
 * **adaptive clipping** (Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping", Alg. 1):
   each client also reports b_k = 1[‖Δ_k‖ ≤ C] (centred, b_k − ½: sensitivity ½); the server adds N(0, σ_b²) to
   Σ(b_k − ½), and C ← C·exp(−η_C (b̄ − γ)) with b̄ = (Σ(b_k − ½) + noise)/m + ½. The count is a second Gaussian
-  release on the same sample, composed with the delta's in the accountant (noise multiplier 2σ_b).
+  release on the same sample, composed with the delta's in the accountant (noise multiplier 2σ_b; σ_b when
+  clients are replaced, under ``fixed``).
 * **accountant** from Google's ``dp-accounting`` (RDP by default, PLD for Poisson sampling): ε at δ after every
   round (``privacy/epsilon``), in the summary; ``target_epsilon`` calibrates σ for ``trainer.max_steps`` rounds
   before training (``dp_accounting.calibrate_dp_mechanism``); training stops before a round that would spend more
@@ -97,13 +99,17 @@ class Privacy:
 def privacy_event(
     sampling: str, num_clients: int, cohort: int, sigma: float, count_sigma: float | None = None
 ) -> Any:
-    """One round of central DP as a ``dp_accounting`` event: the sampled Gaussian on the sum (noise multiplier σ),
-    composed on the same sample with the adaptive clip's count (sensitivity ½, noise σ_b: multiplier 2σ_b)."""
+    """One round of central DP as a ``dp_accounting`` event, whose noise multipliers are noise std / L2 sensitivity
+    under the event's neighbouring relation: the sampled Gaussian on the sum of clipped deltas (std σC; sensitivity
+    C when a client is added or removed, 2C when one is replaced: multiplier σ, or σ/2 for ``fixed``), composed on
+    the same sample with the adaptive clip's count Σ(b_k − ½) (std σ_b; sensitivity ½, or 1 when replaced)."""
     import dp_accounting as dp
 
-    inner = dp.GaussianDpEvent(sigma)
+    replace_one = sampling != "poisson"
+    inner = dp.GaussianDpEvent(sigma / 2 if replace_one else sigma)
     if count_sigma is not None:
-        inner = dp.ComposedDpEvent([inner, dp.GaussianDpEvent(2 * count_sigma)])
+        count = dp.GaussianDpEvent(count_sigma if replace_one else 2 * count_sigma)
+        inner = dp.ComposedDpEvent([inner, count])
     if sampling == "poisson":
         return dp.PoissonSampledDpEvent(cohort / num_clients, inner)
     if cohort == num_clients:

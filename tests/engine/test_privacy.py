@@ -182,11 +182,19 @@ def test_poisson_epsilon_is_the_librarys(num: int, cohort: int, sigma: float, ro
 
 
 def test_fixed_size_epsilon_is_the_librarys() -> None:
+    """Replace-one neighbours: a replaced client moves the clipped sum by up to 2C, so std σC is multiplier σ/2."""
     fixed = PrivacyEngine(Privacy(noise_multiplier=1.2, delta=1e-4, sampling="fixed"))
     fixed.prepare(50, 5, None, seed=0)
-    event = dp.SampledWithoutReplacementDpEvent(50, 5, dp.GaussianDpEvent(1.2))
+    event = dp.SampledWithoutReplacementDpEvent(50, 5, dp.GaussianDpEvent(0.6))
     expected = library_epsilon(event, 30, 1e-4, dp.NeighboringRelation.REPLACE_ONE)
     assert fixed.epsilon(30) == pytest.approx(expected, rel=1e-9)
+    adaptive = PrivacyEngine(Privacy(noise_multiplier=1.2, delta=1e-4, sampling="fixed",
+                                     adaptive_clip=AdaptiveClip(count_noise_multiplier=3.0)))  # fmt: skip
+    adaptive.prepare(50, 5, None, seed=0)
+    both = dp.ComposedDpEvent([dp.GaussianDpEvent(0.6), dp.GaussianDpEvent(3.0)])  # the count's sensitivity: 1
+    event = dp.SampledWithoutReplacementDpEvent(50, 5, both)
+    expected = library_epsilon(event, 30, 1e-4, dp.NeighboringRelation.REPLACE_ONE)
+    assert adaptive.epsilon(30) == pytest.approx(expected, rel=1e-9)
 
 
 def test_pld_epsilon_is_the_librarys() -> None:
@@ -349,7 +357,7 @@ def test_train_py_prints_epsilon_beside_the_accuracy(tmp_path: Path, capsys: pyt
     root = Path(__file__).resolve().parents[2]
     summary = train_config([root / "configs/dp/digits_fedrep.yaml"],
                            ["--trainer.max_steps=2", "--model.eval_last=1"], run_dir=tmp_path / "run")  # fmt: skip
-    event = dp.SampledWithoutReplacementDpEvent(N, M, dp.GaussianDpEvent(1.0))
+    event = dp.SampledWithoutReplacementDpEvent(N, M, dp.GaussianDpEvent(0.5))  # σ = 1, replace-one: σ/2
     assert summary["epsilon"] == pytest.approx(
         library_epsilon(event, 2, 1e-3, dp.NeighboringRelation.REPLACE_ONE), rel=1e-9
     )
