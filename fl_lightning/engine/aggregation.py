@@ -176,12 +176,16 @@ def collect(
     weighting: Literal["uniform", "num_samples"],
     stats: RoundStats,
     algorithm_name: str,
+    privacy: Any = None,
 ) -> CohortSums:
     """Add up this rank's reports. ``cohort`` are the round's client ids (host), ``mine`` this rank's positions in
     it, ``active`` those that did not fail; ``updates[k]`` is ``active[k]``'s report. Every upload passes the
     privacy ``ledger`` first; a report that is not finite is dropped (and counted, on the device); clients that fail
-    keep their state. The state rows returned are those of ``active`` (a dropped client's row is its old state)."""
+    keep their state. The state rows returned are those of ``active`` (a dropped client's row is its old state).
+    Under ``model.privacy`` each upload is clipped (``PrivacyEngine.clip``) before the ledger records it."""
     for j, upd in zip(active, updates):
+        if privacy is not None:
+            upd.upload = privacy.clip(upd.upload, global_params, round_idx, cohort[j])
         ledger.upload(round_idx, cohort[j], upd.upload)
         if set(upd.upload) != set(template):
             raise RuntimeError(f"{algorithm_name} uploaded {sorted(upd.upload)}, not its template")

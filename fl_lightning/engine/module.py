@@ -49,6 +49,7 @@ from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metr
 from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
+from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm, check_callbacks
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
 from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
@@ -98,6 +99,8 @@ class FederatedModule(L.LightningModule):
         drop_last: skip every client minibatch of fewer than ``batch_size`` samples in local training and
             fine-tuning (``DataLoader(drop_last=True)``, as e.g. the FedProto authors' code); off, every sample
             trains, except that a 1-sample minibatch of a ``BatchNorm1d`` network is skipped (said once).
+        privacy: user-level differential privacy of every upload (``fl_lightning.engine.privacy``: clipping on the
+            client side of the ledger, Gaussian noise once on the sum, an accountant; ``configs/dp/``).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -127,17 +130,20 @@ class FederatedModule(L.LightningModule):
         server_optimizer: OptimizerCallable | None = None,
         server_lr_schedule: LRSchedulerCallable | None = None,
         drop_last: bool = ClientOptimizer.drop_last,
+        privacy: Privacy | None = None,
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
                        momentum, weight_decay)  # fmt: skip
-        self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", *OPTIMIZER_ARGS])
+        self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", "privacy",
+                                          *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.executor = executor
         self.new_client_finetune = new_client_finetune or FineTune(epochs=10, prefixes=("head.",))
         self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
+        self.privacy = None if privacy is None else PrivacyEngine(privacy)
         if batch_size < 2 and has_batchnorm1d(network):
             raise ConfigError(
                 f"model.batch_size {batch_size} with a BatchNorm1d network: BatchNorm cannot train on one sample; "
@@ -164,6 +170,7 @@ class FederatedModule(L.LightningModule):
         self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
+        self.privacy_stop = ""  #: why training stopped early under ``model.privacy`` (the budget), else ''
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
@@ -194,6 +201,8 @@ class FederatedModule(L.LightningModule):
         template = self.algorithm.upload_template(glob)
         side = None if fed.side is None else getattr(getattr(self.net, "side", None), "reveals", "side information")
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
+        if self.privacy is not None:
+            check_algorithm(self.algorithm, self.net, template, self.aggregation)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -204,6 +213,11 @@ class FederatedModule(L.LightningModule):
         if stage == TrainerFn.FITTING:
             self._schedule_validation()
         self.attach_data(datamodule.federated)
+        if self.privacy is not None:
+            check_callbacks(self.trainer.callbacks)
+            fed = datamodule.federated
+            per_round = getattr(datamodule, "clients_per_round", None) or fed.num_clients
+            self.privacy.prepare(fed.num_clients, int(per_round), self.trainer.max_steps, fed.seed)
 
     def _schedule_validation(self) -> None:
         """A run is one epoch of rounds: validation counts rounds (``val_check_interval``), never epochs."""
@@ -248,9 +262,11 @@ class FederatedModule(L.LightningModule):
         """One communication round: sample → run clients → aggregate → scatter state → server step → log."""
         # sample: the round's cohort (from the round loader), this rank's share, and who fails or straggles
         round_idx, cohort = self._check_round(batch)
+        if self.privacy is not None:  # Poisson sampling draws the round's clients itself
+            cohort = self.privacy.cohort(round_idx, cohort)
         glob = self.global_params()
         template = self.algorithm.upload_template(glob)
-        cohort_states = self.bank.gather(batch["clients"].to(self.device))
+        cohort_states = self.bank.gather(torch.tensor(cohort, dtype=torch.long, device=self.device))
         # each rank's clients, balanced by training samples; which of them report (the same on every rank)
         layout = aggregation.assign_clients(self.fed.train.host_sizes(cohort), self.trainer.world_size)
         failed, slow = executor.simulate_faults(self, round_idx, cohort, list(range(len(cohort))))
@@ -272,8 +288,10 @@ class FederatedModule(L.LightningModule):
         stats = RoundStats(dropped=len(failed.intersection(mine)), stragglers=len((slow - failed).intersection(mine)))
         mine_sums = aggregation.collect(
             round_idx, cohort, mine, active, updates, glob, template, cohort_states,
-            self.ledger, self.aggregation, stats, type(self.algorithm).__name__,
+            self.ledger, self.aggregation, stats, type(self.algorithm).__name__, self.privacy,
         )  # fmt: skip
+        if self.privacy is not None:  # Gaussian noise once, on rank 0, before the sum over ranks
+            mine_sums.delta_sums = self.privacy.add_noise(mine_sums.delta_sums, round_idx, self.global_rank)
         cohort_sums = mine_sums.all_reduce(self.trainer.strategy, self.device, reporting)
 
         # scatter state, server step, log
@@ -295,13 +313,19 @@ class FederatedModule(L.LightningModule):
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
         backup = {n: p.detach().clone() for n, p in self.net.named_parameters()}
         self.algorithm.num_aggregated = int(sums.stats.survivors)
-        aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, sums.mean_update(template), round_idx)
+        mean = sums.mean_update(template) if self.privacy is None else self.privacy.mean_update(sums, template)
+        aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, round_idx)
         aggregation.check_finite(self.net, backup, self.trainer, round_idx)
 
     def _log_round(self, round_idx: int, stats: RoundStats) -> None:
         if self.client_dropout or self.stragglers or stats.non_finite:
             faults = {"dropped": stats.dropped, "non_finite": stats.non_finite, "stragglers": stats.stragglers}
             self.log_dict({f"faults/{k}": v for k, v in faults.items()})
+        if self.privacy is not None:  # the clients' losses and count are not released under DP
+            self.log_dict({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
+            self._count_upload(stats.upload_bytes)
+            self.log_dict({"comm/download_bytes": float(self.ledger.download_bytes), "round": float(round_idx)})
+            return
         self.log_dict(
             {
                 "train/loss": stats.mean_loss,
@@ -323,7 +347,14 @@ class FederatedModule(L.LightningModule):
         """Whether Lightning's validation loop runs after round ``round_idx`` (``RoundCheckpoint`` asks)."""
         return evaluation.validates_after(self.trainer, self.eval_last, round_idx)
 
-    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> int | None:
+        if self.privacy is not None and self.privacy.exhausted(self.rounds_trained):  # ends the run, exit 0
+            if not self.privacy_stop:
+                self.privacy_stop = (f"privacy budget spent: round {self.rounds_trained + 1} would take ε past "
+                                     f"{self.privacy.budget:g} (δ={self.privacy.config.delta:g})")  # fmt: skip
+                log.info("stopping after %d rounds: %s", self.rounds_trained, self.privacy_stop)
+            self.trainer.should_stop = True
+            return -1
         # the last eval_last rounds are evaluated whatever the interval (their mean is the reported "last10")
         if evaluation.in_last_rounds(self.trainer, self.eval_last, int(batch["round"])):
             if self.trainer.val_check_batch is not None:
@@ -408,6 +439,10 @@ class FederatedModule(L.LightningModule):
             "upload_bytes": self.upload_bytes,
             "metric": key.split("/")[1].replace("_mean", ""),
         }
+        if self.privacy is not None:
+            summary.update(self.privacy.summary(self.rounds_trained))
+            if self.privacy_stop:
+                summary["stopped"] = self.privacy_stop
         if self.fed.num_classes is not None:
             summary["classes"] = self.fed.num_classes  # chance accuracy is 1/classes (the report flags a collapse)
         if "val/dist_B" in last:
