@@ -49,7 +49,7 @@ from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metr
 from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
-from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm, check_callbacks
+from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
 from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
@@ -170,7 +170,6 @@ class FederatedModule(L.LightningModule):
         self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
-        self.privacy_stop = ""  #: why training stopped early under ``model.privacy`` (the budget), else ''
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
@@ -214,10 +213,7 @@ class FederatedModule(L.LightningModule):
             self._schedule_validation()
         self.attach_data(datamodule.federated)
         if self.privacy is not None:
-            check_callbacks(self.trainer.callbacks)
-            fed = datamodule.federated
-            per_round = getattr(datamodule, "clients_per_round", None) or fed.num_clients
-            self.privacy.prepare(fed.num_clients, int(per_round), self.trainer.max_steps, fed.seed)
+            self.privacy.setup(self.trainer, datamodule)
 
     def _schedule_validation(self) -> None:
         """A run is one epoch of rounds: validation counts rounds (``val_check_interval``), never epochs."""
@@ -348,11 +344,7 @@ class FederatedModule(L.LightningModule):
         return evaluation.validates_after(self.trainer, self.eval_last, round_idx)
 
     def on_train_batch_start(self, batch: dict[str, Tensor], batch_idx: int) -> int | None:
-        if self.privacy is not None and self.privacy.exhausted(self.rounds_trained):  # ends the run, exit 0
-            if not self.privacy_stop:
-                self.privacy_stop = (f"privacy budget spent: round {self.rounds_trained + 1} would take ε past "
-                                     f"{self.privacy.budget:g} (δ={self.privacy.config.delta:g})")  # fmt: skip
-                log.info("stopping after %d rounds: %s", self.rounds_trained, self.privacy_stop)
+        if self.privacy is not None and self.privacy.stop_before(self.rounds_trained):  # the budget: exit 0
             self.trainer.should_stop = True
             return -1
         # the last eval_last rounds are evaluated whatever the interval (their mean is the reported "last10")
@@ -440,9 +432,7 @@ class FederatedModule(L.LightningModule):
             "metric": key.split("/")[1].replace("_mean", ""),
         }
         if self.privacy is not None:
-            summary.update(self.privacy.summary(self.rounds_trained))
-            if self.privacy_stop:
-                summary["stopped"] = self.privacy_stop
+            summary.update(self.privacy.summary(self.rounds_trained, final=True))
         if self.fed.num_classes is not None:
             summary["classes"] = self.fed.num_classes  # chance accuracy is 1/classes (the report flags a collapse)
         if "val/dist_B" in last:

@@ -166,8 +166,17 @@ class PrivacyEngine(nn.Module):
         self._per_round: tuple[Any, Any] | None = None  #: (orders, RDP of one round), cached
         self._pld: tuple[int, Any] | None = None
         self._below: list[Tensor] = []
+        self.stopped = ""  #: why training stopped early (the budget), else ''
 
     # ---- set-up -----------------------------------------------------------------------------------------------
+    def setup(self, trainer: Any, datamodule: Any) -> None:
+        """At the module's ``setup``: refuse callbacks that read client metrics, then ``prepare`` from the
+        DataModule (N, the clients per round) and the trainer (the planned rounds)."""
+        check_callbacks(trainer.callbacks)
+        fed = datamodule.federated
+        per_round = getattr(datamodule, "clients_per_round", None) or fed.num_clients
+        self.prepare(fed.num_clients, int(per_round), trainer.max_steps, fed.seed)
+
     def prepare(self, num_clients: int, cohort: int, rounds: int | None, seed: int) -> None:
         """Bind the population N, the expected cohort m and the seed; calibrate σ for ``rounds`` when
         ``target_epsilon`` is set (logged once)."""
@@ -323,9 +332,25 @@ class PrivacyEngine(nn.Module):
         budget = self.budget
         return budget is not None and self.epsilon(rounds_done + 1) > budget * (1 + 1e-6)
 
-    def summary(self, rounds: int) -> dict[str, float]:
-        return {"epsilon": self.epsilon(rounds), "delta": self.config.delta, "noise_multiplier": self.sigma,
-                "clip": float(self.clip_value)}  # fmt: skip
+    def stop_before(self, rounds_done: int) -> bool:
+        """Whether the run stops before its next round (the budget, ``exhausted``); the reason is kept in
+        ``stopped`` (the summary's ``stopped``) and logged once."""
+        if not self.exhausted(rounds_done):
+            return False
+        if not self.stopped:
+            self.stopped = (f"privacy budget spent: round {rounds_done + 1} would take ε past {self.budget:g} "
+                            f"(δ={self.config.delta:g})")  # fmt: skip
+            log.info("stopping after %d rounds: %s", rounds_done, self.stopped)
+        return True
+
+    def summary(self, rounds: int, final: bool = False) -> dict[str, Any]:
+        """ε after ``rounds`` rounds, δ, σ and the clip (logged every round); ``final``: also why the run stopped
+        early, if it did (the run summary)."""
+        out: dict[str, Any] = {"epsilon": self.epsilon(rounds), "delta": self.config.delta,
+                               "noise_multiplier": self.sigma, "clip": float(self.clip_value)}  # fmt: skip
+        if final and self.stopped:
+            out["stopped"] = self.stopped
+        return out
 
 
 def check_config(cfg: Privacy) -> None:
