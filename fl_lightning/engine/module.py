@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -50,7 +51,7 @@ from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
-from fl_lightning.engine.state import ClientStateBank
+from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 
@@ -98,6 +99,14 @@ class FederatedModule(L.LightningModule):
         drop_last: skip every client minibatch of fewer than ``batch_size`` samples in local training and
             fine-tuning (``DataLoader(drop_last=True)``, as e.g. the FedProto authors' code); off, every sample
             trains, except that a 1-sample minibatch of a ``BatchNorm1d`` network is skipped (said once).
+        client_state: where the client-state bank lives (``fl_lightning.engine.state``, issue 28): ``device`` (the
+            module's device, checkpointed whole), ``host`` (CPU memory, pinned with CUDA; the cohort's rows move to
+            the device each round), ``disk`` (memory-mapped files in ``<run_dir>/client_state``), host and disk
+            checkpointed incrementally; ``auto`` (default) picks by size (``state.choose_placement``: device up to
+            256 MiB, host up to half the available memory, else disk). Every placement gives the same numbers.
+        eval_clients: the periodic evaluations score a fixed seeded sample of this many clients (the same each
+            time, so curves compare; ``val/acc_mean_sem`` is the standard error of the sampled mean); the final
+            evaluation of a fit (after its last round) scores every client. None (default): every client, always.
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -127,10 +136,14 @@ class FederatedModule(L.LightningModule):
         server_optimizer: OptimizerCallable | None = None,
         server_lr_schedule: LRSchedulerCallable | None = None,
         drop_last: bool = False,
+        client_state: Placement = "auto",
+        eval_clients: int | None = None,
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
-                       momentum, weight_decay)  # fmt: skip
+                       momentum, weight_decay, eval_clients)  # fmt: skip
+        choose_placement(client_state, 0, torch.device("cpu"))  # the value is checked here, the choice in setup
+        self.client_state, self.eval_clients = client_state, eval_clients
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.executor = executor
@@ -185,7 +198,7 @@ class FederatedModule(L.LightningModule):
             if self.keep_client_optimizer_state:  # each client's optimiser state, kept across rounds
                 trainable = {n: p.detach() for n, p in self.net.named_parameters() if p.requires_grad}
                 template.update(state_template(self.client_optimizer, trainable))
-            self.bank = ClientStateBank(template, fed.num_clients).to(self.device)
+            self.bank = self._make_bank(template, fed.num_clients)
             self.client_scores = PerClientScores(fed.num_clients).to(self.device)
             # DDP must not broadcast the bank at every forward: every rank keeps it identical (rows are gathered)
             self._ddp_params_and_buffers_to_ignore = [f"bank.{n}" for n, _ in self.bank.named_buffers()]
@@ -194,6 +207,21 @@ class FederatedModule(L.LightningModule):
         template = self.algorithm.upload_template(glob)
         side = None if fed.side is None else getattr(getattr(self.net, "side", None), "reveals", "side information")
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
+
+    def _make_bank(self, template: Params, num_clients: int) -> ClientStateBank:
+        """The bank where ``model.client_state`` puts it (``state.choose_placement``; logged when not on the
+        device); disk banks live in ``<run_dir>/client_state``."""
+        per_client = sum(t.numel() * t.element_size() for t in template.values())
+        world = self._trainer.world_size if self._trainer is not None else 1
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device  # setup: still CPU
+        placement = choose_placement(self.client_state, per_client * num_clients, device, world)
+        directory = None
+        if self._trainer is not None:
+            directory = Path(self.trainer.default_root_dir) / "client_state"
+        if placement != "device":
+            log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9,
+                     num_clients)  # fmt: skip
+        return ClientStateBank(template, num_clients, placement, directory).to(self.device)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)

@@ -11,6 +11,10 @@ import torch
 
 from fl_lightning.client import make_generator  # the seeded streams of the client contract
 
+#: up to this many clients a cohort is the head of a seeded ``randperm`` (O(N), the cohorts of every earlier run);
+#: above it, Floyd's algorithm draws it in O(cohort) (issue 28: a round's cost does not grow with N)
+PERMUTATION_CLIENTS = 2**14
+
 
 class ClientSampler:
     """Uniform sampling without replacement; the cohort of round ``t`` is a pure function of ``(seed, t)``."""
@@ -23,8 +27,23 @@ class ClientSampler:
     def sample(self, round_idx: int) -> torch.Tensor:
         if self.clients_per_round == self.num_clients:
             return torch.arange(self.num_clients)
-        perm = torch.randperm(self.num_clients, generator=make_generator(self.seed, "cohort", round_idx))
-        return perm[: self.clients_per_round].sort().values
+        g = make_generator(self.seed, "cohort", round_idx)
+        if self.num_clients <= PERMUTATION_CLIENTS:
+            perm = torch.randperm(self.num_clients, generator=g)
+            return perm[: self.clients_per_round].sort().values
+        return floyd_sample(self.num_clients, self.clients_per_round, g)
+
+
+def floyd_sample(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct integers of ``[0, n)``, uniformly (Floyd's algorithm, Bentley & Floyd, CACM 1987): for
+    ``j = n−k … n−1`` draw ``t`` uniform in ``[0, j]`` and take ``t``, or ``j`` when ``t`` is taken; k draws, sorted."""
+    draws = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
+    chosen: set[int] = set()
+    for i, u in enumerate(draws):
+        j = n - k + i
+        t = min(int(u * (j + 1)), j)
+        chosen.add(j if t in chosen else t)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 class RoundLoader:
