@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(["method", "N", "client_state", *(h for h, _, _ in ROWS)], rows))
     labels = [f"{r[0]} {r[1]:g} {r[2]}" for r in rows]
-    bar_chart(args.out / "scale.png", labels, [r[3] for r in rows], "training s/round", "Seconds per round against the number of clients")
+    title = "Training seconds per round against the number of clients"
+    bar_chart(args.out / "scale.png", labels, [r[3] for r in rows], "training s/round", title)
     print(f"results: {write_results(records, args.out)}")
     return 0
 

@@ -374,11 +374,26 @@ class FederatedModule(L.LightningModule):
                 self, clients, self.rounds_trained - 1, self.client_scores, split=self.validation_split
             )
 
+    def evaluation_sample(self) -> list[int] | None:
+        """The clients of the periodic evaluations (``model.eval_clients``; None: all), fixed for the run."""
+        if self.fed is None:
+            return None
+        key = (self.fed.num_clients, self.eval_clients, self.fed.seed)
+        if getattr(self, "_sample_key", None) != key:
+            self._sample_key, self._sample = key, evaluation.evaluation_sample(*key)
+        return self._sample
+
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
+        sampled = self.trainer.state.fn == TrainerFn.FITTING and self.evaluation_sample() is not None
+        if sampled and self.rounds_trained >= self.trainer.max_steps:  # the final evaluation scores every client
+            evaluation.evaluate_all(self, self.rounds_trained - 1, split=self.validation_split)
         result = self._finish_evaluation()
         metrics = validation_metrics(result, self.fed, self.net)
+        if self.eval_clients is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            sem = evaluation.sampled_sem(result, self.fed.num_clients, self.fed.num_classes is None)
+            metrics[main_metric(self.fed) + "_sem"] = sem
         if self.trainer.state.fn == TrainerFn.FITTING:
             key = main_metric(self.fed)
             self.history.append({"round": result.round, **metrics})

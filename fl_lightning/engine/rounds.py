@@ -78,16 +78,21 @@ CLIENTS_PER_STEP = 256
 
 
 class ClientChunks:
-    """The validation/test "dataloader": this rank's clients ``c ≡ rank (mod world)`` in chunks of ``size``.
+    """The validation/test "dataloader": this rank's clients ``c ≡ rank (mod world)`` in chunks of ``size``; of
+    ``clients`` (the evaluation sample, ``model.eval_clients``) when given, else of all ``num_clients``.
 
     Every rank yields the same number of chunks (the last ones may be short or empty): under DDP each
     ``validation_step`` is a forward of the wrapped module, which syncs buffers across ranks.
     """
 
-    def __init__(self, num_clients: int, rank: int = 0, world: int = 1, size: int = CLIENTS_PER_STEP) -> None:
-        self.clients = list(range(rank, num_clients, world))
+    def __init__(
+        self, num_clients: int, rank: int = 0, world: int = 1, size: int = CLIENTS_PER_STEP,
+        clients: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        everyone = clients if clients is not None else range(num_clients)
+        self.clients = list(everyone[rank::world])
         self.size = size
-        self.num_chunks = max(1, math.ceil(math.ceil(num_clients / world) / size))
+        self.num_chunks = max(1, math.ceil(math.ceil(len(everyone) / world) / size))
 
     def __len__(self) -> int:
         return self.num_chunks
@@ -98,7 +103,12 @@ class ClientChunks:
 
 
 def client_chunks(num_clients: int, trainer: Any = None) -> ClientChunks:
-    """``ClientChunks`` for the trainer's rank (all clients on one process)."""
+    """``ClientChunks`` for the trainer's rank (all clients on one process); inside a fit, of the module's
+    evaluation sample when it has one (``FederatedModule.evaluation_sample``, ``model.eval_clients``)."""
     if trainer is None:
         return ClientChunks(num_clients)
-    return ClientChunks(num_clients, trainer.global_rank, trainer.world_size)
+    sample = None
+    module = getattr(trainer, "lightning_module", None)
+    if getattr(getattr(trainer, "state", None), "fn", None) == "fit" and hasattr(module, "evaluation_sample"):
+        sample = module.evaluation_sample()
+    return ClientChunks(num_clients, trainer.global_rank, trainer.world_size, clients=sample)
