@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", action="store_true", help="also Ditto with client_state: host at every size")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/bench/scale"))
+    p.add_argument("--inline", action="store_true", help="run in this process (tests; peak RSS is then shared)")
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--run_dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -240,7 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     for method, n, placement in plan(args):
         run_dir = args.out / "runs" / f"{method}_{n}_{placement}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        result = in_subprocess(method, n, placement, rounds, run_dir)
+        if args.inline:
+            result = run_one(method, n, placement, rounds, run_dir)
+        else:
+            try:
+                result = in_subprocess(method, n, placement, rounds, run_dir)
+            except SystemExit as failed:  # one failed size does not hide the others
+                print(failed, file=sys.stderr)
+                continue
         shutil.rmtree(run_dir, ignore_errors=True)  # a bank on disk is as large as the bank: not kept
         setting = f"N={n},placement={result['placement']},rounds={rounds},cohort=10,threads=1"
         for _, key, _ in ROWS:
