@@ -78,7 +78,10 @@ def journal_directories(module: Any) -> list[Path]:
     trainer = module._trainer
     if trainer is None:
         return [module.bank.directory] if getattr(module.bank, "directory", None) else []
-    out = [Path(trainer.default_root_dir) / "client_state"]
+    root = getattr(trainer, "default_root_dir", None)
+    out = [] if root is None else [Path(root) / "client_state"]
+    if getattr(module.bank, "directory", None) is not None:
+        out.append(module.bank.directory)
     ckpt = getattr(trainer, "ckpt_path", None)
     if ckpt:
         out.append(Path(ckpt).resolve().parent.parent / "client_state")

@@ -212,12 +212,12 @@ class FederatedModule(L.LightningModule):
         """The bank where ``model.client_state`` puts it (``state.choose_placement``; logged when not on the
         device); disk banks live in ``<run_dir>/client_state``."""
         per_client = sum(t.numel() * t.element_size() for t in template.values())
-        world = self._trainer.world_size if self._trainer is not None else 1
-        device = self.trainer.strategy.root_device if self._trainer is not None else self.device  # setup: still CPU
+        trainer = self._trainer
+        world = getattr(trainer, "world_size", 1)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", self.device)  # setup: still on the CPU
         placement = choose_placement(self.client_state, per_client * num_clients, device, world)
-        directory = None
-        if self._trainer is not None:
-            directory = Path(self.trainer.default_root_dir) / "client_state"
+        root = getattr(trainer, "default_root_dir", None)
+        directory = None if root is None else Path(root) / "client_state"
         if placement != "device":
             log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9,
                      num_clients)  # fmt: skip
