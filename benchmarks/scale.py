@@ -147,7 +147,7 @@ def algorithm(method: str) -> Any:
 
 def run_one(
     method: str, n: int, placement: str, rounds: int, run_dir: Path, eval_clients: int | None = 1000,
-    ckpt_path: str | None = None, stop_after: int | None = None,
+    ckpt_path: str | None = None, evaluate: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """One run in this process: the figures of ``benchmarks.scale`` (see the module docstring)."""
     import lightning as L
@@ -164,7 +164,7 @@ def run_one(
     )  # fmt: skip
     timer, checkpoint = timing_callbacks(run_dir)
     trainer = L.Trainer(
-        max_steps=rounds if stop_after is None else stop_after, accelerator="cpu", devices=1, logger=False,
+        max_steps=rounds, accelerator="cpu", limit_val_batches=1.0 if evaluate else 0, devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         val_check_interval=max(1, rounds // 2), check_val_every_n_epoch=None, default_root_dir=str(run_dir),
         callbacks=[timer, checkpoint],
@@ -178,6 +178,7 @@ def run_one(
     mem = memory()
     return {
         "method": method, "clients": n, "placement": bank.placement, "rounds": trainer.global_step,
+        "rounds_this_process": len(timer.rounds),
         "train_s_per_round": sum(train) / max(len(train), 1),
         "eval_sampled_s": sum(sampled) / len(sampled) if sampled else float("nan"),
         "eval_full_s": sum(full) / len(full) if full else float("nan"),
@@ -185,8 +186,60 @@ def run_one(
         "checkpoint_bytes": sum(b for _, b in checkpoint.saves) / max(len(checkpoint.saves), 1),
         "peak_rss_bytes": mem.get("VmHWM", float("nan")), "peak_rss_anon_bytes": max(timer.rss_anon, 0.0),
         "bank_bytes": float(bank.bytes_per_client() * n), "wall_s": time.perf_counter() - start,
-        "final": module.summary.get("final", float("nan")),
+        "final": module.summary.get("final", float("nan")), "fingerprint": fingerprint(module),
     }  # fmt: skip
+
+
+def fingerprint(module: Any) -> str:
+    """A hash of the global model and of every client-state row that differs from the template (the rows a run
+    wrote; on a device bank every row): two runs with the same fingerprint ended in the same state."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for _, p in sorted(module.net.state_dict().items()):
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    bank = module.bank
+    ids = torch.arange(bank.num_clients) if bank.placement == "device" else bank.written.nonzero().flatten()
+    h.update(ids.numpy().tobytes())
+    for chunk in ids.split(4096):
+        for _, rows in sorted(bank.gather(chunk).items()):
+            h.update(rows.cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def kill_and_resume(method: str, n: int, placement: str, rounds: int, out: Path) -> dict[str, Any]:
+    """The uninterrupted run, and a run ``kill -9``-ed once its round-``rounds/2`` checkpoint exists and resumed
+    from ``last.ckpt``, both without evaluations: their fingerprints, peak RSS and ``RssAnon``."""
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
+
+    def cmd(run_dir: Path, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "benchmarks.scale", "--one", method, str(n), placement, "--rounds", str(rounds),
+                "--run_dir", str(run_dir), "--no_eval", *extra]  # fmt: skip
+
+    def finish(run_dir: Path, *extra: str) -> dict[str, Any]:
+        done = subprocess.run(cmd(run_dir, *extra), env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{run_dir.name} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    full_dir, killed_dir = out / "uninterrupted", out / "killed"
+    for d in (full_dir, killed_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    full = finish(full_dir)
+    victim = subprocess.Popen(cmd(killed_dir), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = killed_dir / "checkpoints" / f"round{rounds // 2:05d}.ckpt"
+    while not target.exists():
+        if victim.poll() is not None:
+            raise SystemExit("the run ended before it could be killed")
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    resumed = finish(killed_dir, "--ckpt_path", "last")
+    for d in (full_dir, killed_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    return {"uninterrupted": full, "resumed": resumed, "equal": full["fingerprint"] == resumed["fingerprint"]}
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int, str]]:
@@ -228,12 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inline", action="store_true", help="run in this process (tests; peak RSS is then shared)")
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--run_dir", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no_eval", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt_path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kill_resume", nargs=3, default=None, metavar=("METHOD", "N", "PLACEMENT"),
+                   help="kill -9 a run after its middle checkpoint, resume it, compare with the uninterrupted run")
     args = p.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
     if args.one:
         method, n, placement = args.one
-        print(json.dumps(run_one(method, int(n), placement, rounds, args.run_dir)))
+        result = run_one(method, int(n), placement, rounds, args.run_dir, ckpt_path=args.ckpt_path,
+                         evaluate=not args.no_eval)  # fmt: skip
+        print(json.dumps(result))
         return 0
+    if args.kill_resume:
+        method, n, placement = args.kill_resume
+        outcome = kill_and_resume(method, int(n), placement, rounds, args.out / "kill_resume")
+        for name in ("uninterrupted", "resumed"):
+            r = outcome[name]
+            memory_gb = f"peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB  RssAnon {r['peak_rss_anon_bytes'] / 1e9:.2f} GB"
+            rounds_done = f"rounds {r['rounds']} ({r['rounds_this_process']} in its last process)"
+            print(f"{name}: {rounds_done}  fingerprint {r['fingerprint']}  {memory_gb}  {r['placement']}")
+        print(f"kill -9 + resume equals the uninterrupted run: {outcome['equal']}")
+        return 0 if outcome["equal"] else 1
 
     from fl_lightning.results import bar_chart, format_table, record, write_results
 
