@@ -103,7 +103,7 @@ class FederatedModule(L.LightningModule):
             module's device, checkpointed whole), ``host`` (CPU memory, pinned with CUDA; the cohort's rows move to
             the device each round), ``disk`` (memory-mapped files in ``<run_dir>/client_state``), host and disk
             checkpointed incrementally; ``auto`` (default) picks by size (``state.choose_placement``: device up to
-            256 MiB, host up to half the available memory, else disk). Every placement gives the same numbers.
+            32 MiB, host up to half the available memory, else disk). Every placement gives the same numbers.
         eval_clients: the periodic evaluations score a fixed seeded sample of this many clients (the same each
             time, so curves compare; ``val/acc_mean_sem`` is the standard error of the sampled mean); the final
             evaluation of a fit (after its last round) scores every client. None (default): every client, always.
@@ -142,7 +142,7 @@ class FederatedModule(L.LightningModule):
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
                        momentum, weight_decay, eval_clients)  # fmt: skip
-        choose_placement(client_state, 0, torch.device("cpu"))  # the value is checked here, the choice in setup
+        choose_placement(client_state, 0)  # the value is checked here, the choice in setup
         self.client_state, self.eval_clients = client_state, eval_clients
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
@@ -214,8 +214,7 @@ class FederatedModule(L.LightningModule):
         per_client = sum(t.numel() * t.element_size() for t in template.values())
         trainer = self._trainer
         world = getattr(trainer, "world_size", 1)
-        device = getattr(getattr(trainer, "strategy", None), "root_device", self.device)  # setup: still on the CPU
-        placement = choose_placement(self.client_state, per_client * num_clients, device, world)
+        placement = choose_placement(self.client_state, per_client * num_clients, world)
         root = getattr(trainer, "default_root_dir", None)
         directory = None if root is None else Path(root) / "client_state"
         if placement != "device":

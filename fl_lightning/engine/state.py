@@ -35,8 +35,9 @@ __all__ = ["AUTO_DEVICE_BYTES", "ClientStateBank", "Placement", "choose_placemen
 
 Placement = Literal["auto", "device", "host", "disk"]
 
-#: ``auto`` keeps a bank of at most this many bytes on the device (today's layout, whole-bank checkpoints)
-AUTO_DEVICE_BYTES = 256 * 2**20
+#: ``auto`` keeps a bank of at most this many bytes on the device (today's layout: every checkpoint writes it whole,
+#: which costs little below this size); a larger one goes to the host or disk, whose checkpoints write what changed
+AUTO_DEVICE_BYTES = 32 * 2**20
 
 
 def _key(name: str) -> str:
@@ -54,10 +55,10 @@ def memory_available() -> int:
     return 0
 
 
-def choose_placement(requested: Placement, bank_bytes: int, device: torch.device, world_size: int = 1) -> str:
-    """Where the bank goes. ``auto``: ``device`` when the bank is at most ``AUTO_DEVICE_BYTES`` (256 MiB) or the run
-    has several processes; else ``host`` when it takes at most half of the memory available now (and, on a GPU,
-    is too big for a quarter of the free device memory, where it stays on the device); else ``disk``."""
+def choose_placement(requested: Placement, bank_bytes: int, world_size: int = 1) -> str:
+    """Where the bank goes. ``auto``: ``device`` when the bank is at most ``AUTO_DEVICE_BYTES`` (32 MiB) or the run
+    has several processes; else ``host`` when it takes at most half of the memory available now (``MemAvailable``);
+    else ``disk``. (On a GPU the host bank moves only the cohort's rows each round.)"""
     if requested not in ("auto", "device", "host", "disk"):
         raise ConfigError(f"model.client_state must be auto, device, host or disk, got {requested!r}")
     if requested != "auto":
@@ -67,8 +68,6 @@ def choose_placement(requested: Placement, bank_bytes: int, device: torch.device
             )
         return requested
     if bank_bytes <= AUTO_DEVICE_BYTES or world_size > 1:
-        return "device"
-    if device.type == "cuda" and bank_bytes <= torch.cuda.mem_get_info(device)[0] // 4:
         return "device"
     available = memory_available()
     return "host" if available and bank_bytes <= available // 2 else "disk"

@@ -114,17 +114,16 @@ def test_auto_placement_follows_the_documented_rule(monkeypatch) -> None:
     from fl_lightning.errors import ConfigError
 
     monkeypatch.setattr(state, "memory_available", lambda: 10 * 2**30)
-    cpu = torch.device("cpu")
-    assert choose_placement("auto", AUTO_DEVICE_BYTES, cpu) == "device"
-    assert choose_placement("auto", AUTO_DEVICE_BYTES + 1, cpu) == "host"
-    assert choose_placement("auto", 5 * 2**30, cpu) == "host"
-    assert choose_placement("auto", 5 * 2**30 + 1, cpu) == "disk"
-    assert choose_placement("auto", 5 * 2**30, cpu, world_size=2) == "device"
-    assert choose_placement("disk", 1, cpu) == "disk"
+    assert choose_placement("auto", AUTO_DEVICE_BYTES) == "device"
+    assert choose_placement("auto", AUTO_DEVICE_BYTES + 1) == "host"
+    assert choose_placement("auto", 5 * 2**30) == "host"
+    assert choose_placement("auto", 5 * 2**30 + 1) == "disk"
+    assert choose_placement("auto", 5 * 2**30, world_size=2) == "device"
+    assert choose_placement("disk", 1) == "disk"
     with pytest.raises(ConfigError, match="^model.client_state host runs on one process"):
-        choose_placement("host", 1, cpu, world_size=2)
+        choose_placement("host", 1, world_size=2)
     with pytest.raises(ConfigError, match="^model.client_state must be auto, device, host or disk, got 'gpu'"):
-        choose_placement("gpu", 1, cpu)
+        choose_placement("gpu", 1)
 
 
 @pytest.mark.parametrize("placement", ["host", "disk"])
