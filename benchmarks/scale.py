@@ -244,7 +244,7 @@ def kill_and_resume(method: str, n: int, placement: str, rounds: int, out: Path)
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     sizes = args.sizes or ([200, 1000] if args.quick else [1000, 10000, 100000])
-    runs = [(m, n, "auto") for n in sizes for m in METHODS]
+    runs = [(m, n, "auto") for n in sizes for m in args.methods]
     if args.host:
         runs += [("ditto", n, "host") for n in sizes if ("ditto", n, "host") not in runs]
     if args.big:
@@ -252,9 +252,11 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     return runs
 
 
-def in_subprocess(method: str, n: int, placement: str, rounds: int, run_dir: Path) -> dict[str, Any]:
+def in_subprocess(
+    method: str, n: int, placement: str, rounds: int, run_dir: Path, evaluate: bool = True
+) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.scale", "--one", method, str(n), placement, "--rounds", str(rounds),
-           "--run_dir", str(run_dir)]  # fmt: skip
+           "--run_dir", str(run_dir), *([] if evaluate else ["--no_eval"])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -276,12 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="client counts (default 1e3 1e4 1e5)")
     p.add_argument("--big", action="store_true", help="also FedRep at 1e6 (host) and Ditto at 2e5 (disk)")
     p.add_argument("--host", action="store_true", help="also Ditto with client_state: host at every size")
+    p.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/bench/scale"))
     p.add_argument("--inline", action="store_true", help="run in this process (tests; peak RSS is then shared)")
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)
     p.add_argument("--run_dir", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--no_eval", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no_eval", action="store_true", help="no evaluations (training and checkpoints only)")
     p.add_argument("--ckpt_path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill_resume", nargs=3, default=None, metavar=("METHOD", "N", "PLACEMENT"),
                    help="kill -9 a run after its middle checkpoint, resume it, compare with the uninterrupted run")
@@ -311,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.out / "runs" / f"{method}_{n}_{placement}"
         shutil.rmtree(run_dir, ignore_errors=True)
         if args.inline:
-            result = run_one(method, n, placement, rounds, run_dir)
+            result = run_one(method, n, placement, rounds, run_dir, evaluate=not args.no_eval)
         else:
             try:
-                result = in_subprocess(method, n, placement, rounds, run_dir)
+                result = in_subprocess(method, n, placement, rounds, run_dir, evaluate=not args.no_eval)
             except SystemExit as failed:  # one failed size does not hide the others
                 print(failed, file=sys.stderr)
                 continue
