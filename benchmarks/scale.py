@@ -1,6 +1,10 @@
 """Cross-device scale (issue 28): a round's cost against the number of clients that exist.
 
 ``python -m benchmarks.scale [--quick] [--sizes 1000 10000 100000] [--big] [--rounds 20] [--out DIR]``
+``[--methods fedrep ditto] [--placement auto|device|host|disk] [--cohort 10] [--no_eval]``;
+``python -m benchmarks.scale --kill_resume ditto 200000 disk``: ``kill -9`` a run once its round-10 checkpoint
+exists, resume it from ``last.ckpt`` and compare its end state with the uninterrupted run's (a hash of the global
+model and every written client-state row).
 
 The workload is what a new user would write: ``ScaleData``, a ``FederatedDataModule`` of N synthetic clients
 (20 training and 5 test samples each, 64 features, 10 classes, each client with its own label shift), the
@@ -147,7 +151,7 @@ def algorithm(method: str) -> Any:
 
 def run_one(
     method: str, n: int, placement: str, rounds: int, run_dir: Path, eval_clients: int | None = 1000,
-    ckpt_path: str | None = None, evaluate: bool = True,
+    ckpt_path: str | None = None, evaluate: bool = True, cohort: int = 10,
 ) -> dict[str, Any]:  # fmt: skip
     """One run in this process: the figures of ``benchmarks.scale`` (see the module docstring)."""
     import lightning as L
@@ -157,7 +161,7 @@ def run_one(
 
     L.seed_everything(0, verbose=False)
     torch.set_num_threads(1)
-    data = ScaleData(num_clients=n)
+    data = ScaleData(num_clients=n, clients_per_round=cohort)
     module = FederatedModule(
         algorithm(method), DigitsMLP(), lr=0.05, momentum=0.5, batch_size=10, eval_last=1,
         client_state=placement, eval_clients=None if eval_clients is None or eval_clients >= n else eval_clients,
@@ -244,7 +248,7 @@ def kill_and_resume(method: str, n: int, placement: str, rounds: int, out: Path)
 
 def plan(args: argparse.Namespace) -> list[tuple[str, int, str]]:
     sizes = args.sizes or ([200, 1000] if args.quick else [1000, 10000, 100000])
-    runs = [(m, n, "auto") for n in sizes for m in args.methods]
+    runs = [(m, n, args.placement) for n in sizes for m in args.methods]
     if args.host:
         runs += [("ditto", n, "host") for n in sizes if ("ditto", n, "host") not in runs]
     if args.big:
@@ -253,10 +257,10 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, str]]:
 
 
 def in_subprocess(
-    method: str, n: int, placement: str, rounds: int, run_dir: Path, evaluate: bool = True
+    method: str, n: int, placement: str, rounds: int, run_dir: Path, evaluate: bool = True, cohort: int = 10
 ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.scale", "--one", method, str(n), placement, "--rounds", str(rounds),
-           "--run_dir", str(run_dir), *([] if evaluate else ["--no_eval"])]  # fmt: skip
+           "--run_dir", str(run_dir), "--cohort", str(cohort), *([] if evaluate else ["--no_eval"])]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -279,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big", action="store_true", help="also FedRep at 1e6 (host) and Ditto at 2e5 (disk)")
     p.add_argument("--host", action="store_true", help="also Ditto with client_state: host at every size")
     p.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
+    p.add_argument("--cohort", type=int, default=10, help="clients per round (the rows a checkpoint writes)")
+    p.add_argument("--placement", default="auto", choices=["auto", "device", "host", "disk"])
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/bench/scale"))
     p.add_argument("--inline", action="store_true", help="run in this process (tests; peak RSS is then shared)")
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.one:
         method, n, placement = args.one
         result = run_one(method, int(n), placement, rounds, args.run_dir, ckpt_path=args.ckpt_path,
-                         evaluate=not args.no_eval)  # fmt: skip
+                         evaluate=not args.no_eval, cohort=args.cohort)  # fmt: skip
         print(json.dumps(result))
         return 0
     if args.kill_resume:
@@ -314,15 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = args.out / "runs" / f"{method}_{n}_{placement}"
         shutil.rmtree(run_dir, ignore_errors=True)
         if args.inline:
-            result = run_one(method, n, placement, rounds, run_dir, evaluate=not args.no_eval)
+            result = run_one(method, n, placement, rounds, run_dir, evaluate=not args.no_eval, cohort=args.cohort)
         else:
             try:
-                result = in_subprocess(method, n, placement, rounds, run_dir, evaluate=not args.no_eval)
+                result = in_subprocess(method, n, placement, rounds, run_dir, not args.no_eval, args.cohort)
             except SystemExit as failed:  # one failed size does not hide the others
                 print(failed, file=sys.stderr)
                 continue
         shutil.rmtree(run_dir, ignore_errors=True)  # a bank on disk is as large as the bank: not kept
-        setting = f"N={n},placement={result['placement']},rounds={rounds},cohort=10,threads=1"
+        setting = f"N={n},placement={result['placement']},rounds={rounds},cohort={args.cohort},threads=1"
         for _, key, _ in ROWS:
             records.append(record("scale", method, key, result[key], setting=setting))
         rows.append([method, n, result["placement"], *(result[key] / scale for _, key, scale in ROWS)])
