@@ -116,13 +116,13 @@ class ClientStateBank(nn.Module):
     def template(self, name: str) -> Tensor:
         return getattr(self, "template__" + _key(name))
 
-    def _allocate(self, name: str, dtype: torch.dtype) -> Tensor:
+    def _allocate(self, name: str, dtype: torch.dtype, suffix: str = "") -> Tensor:
         shape = (self.num_clients, *self.template(name).shape)
         numel = int(torch.Size(shape).numel())
         if self.placement == "host" or numel == 0:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pinned and numel > 0)
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"{_key(name)}.bin"
+        path = self.directory / f"{_key(name)}{suffix}.bin"
         path.unlink(missing_ok=True)  # a fresh sparse file: rows of an earlier process are not this bank's
         with open(path, "wb") as f:
             f.truncate(numel * torch.empty((), dtype=dtype).element_size())
@@ -136,15 +136,11 @@ class ClientStateBank(nn.Module):
             for n in self.names:
                 dtype = self.template(n).dtype
                 if self._stores[n].dtype != dtype:
-                    old, self._stores[n] = self._stores[n], self._allocate(n + ".retyped", dtype)
+                    old, self._stores[n] = self._stores[n], self._allocate(n, dtype, suffix=".retyped")
                     self._stores[n].copy_(old)
-                    self._rename_retyped(n)
+                    if self.placement == "disk":  # the mapping follows the renamed file
+                        os.replace(self.directory / f"{_key(n)}.retyped.bin", self.directory / f"{_key(n)}.bin")
         return self
-
-    def _rename_retyped(self, name: str) -> None:
-        if self.placement == "disk":
-            src, dst = self.directory / f"{_key(name + '.retyped')}.bin", self.directory / f"{_key(name)}.bin"
-            os.replace(src, dst)  # the mapping follows the file
 
     @property
     def device(self) -> torch.device:

@@ -154,3 +154,18 @@ def test_a_fit_with_each_placement_equals_the_device_placement(placement: str, m
         torch.testing.assert_close(got.bank.row(n), ref.bank.row(n), rtol=0, atol=1e-6)
     accuracy = got.last_evaluation.acc_per_client
     torch.testing.assert_close(accuracy, ref.last_evaluation.acc_per_client, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_a_dtype_change_converts_host_and_disk_tables_and_keeps_their_rows(placement: str, tmp_path) -> None:
+    """``trainer.precision: 64-true`` converts the module after the bank is built: the tables follow, written
+    rows kept (a float64 reference by hand)."""
+    bank = ClientStateBank(template(), 5, placement, tmp_path / "bank")
+    bank.scatter(torch.tensor([2]), {"fc.weight": torch.full((1, 2, 3), 0.5), "fc.bias": torch.ones(1, 2),
+                                     "steps": torch.tensor([9])})  # fmt: skip
+    bank.double()
+    rows = bank.gather(torch.tensor([2, 4]))
+    assert rows["fc.weight"].dtype == torch.float64 and rows["steps"].dtype == torch.int64
+    expected = np.stack([np.full((2, 3), 0.5), np.arange(6, dtype=np.float64).reshape(2, 3)])
+    np.testing.assert_array_equal(rows["fc.weight"].numpy(), expected)
+    np.testing.assert_array_equal(rows["steps"].numpy(), [9, 3])
