@@ -45,6 +45,7 @@ reproduce: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench
+	$(PY) -m benchmarks.scale
 
 # mutation testing ([tool.mutmut] in pyproject.toml; not part of `make test` or CI). Incremental: mutants/ keeps every
 # verdict and only functions whose source changed are re-tested; MUTANTS="fl_lightning.metrics*" re-tests those by name

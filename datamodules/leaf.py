@@ -26,8 +26,11 @@ from fl_lightning.errors import ConfigError
 UserData = dict[str, tuple[list[Any], list[Any], Path]]
 
 
-def read_leaf_split(directory: Path) -> UserData:
-    """``user -> (xs, ys, file)`` over every ``*.json`` file of one LEAF split folder, checked."""
+def read_leaf_split(directory: Path, convert: Callable | None = None) -> UserData:
+    """``user -> (xs, ys, file)`` over every ``*.json`` file of one LEAF split folder, checked. With ``convert``
+    (``(xs, ys, user, file) -> (x, y)`` tensors) every user is converted as soon as its file is read and the file's
+    JSON is dropped before the next one, so memory holds one file's JSON plus the tensors (a full-size FEMNIST is
+    35 files of thousands of writers), not every file's Python lists."""
     files = sorted(directory.glob("*.json"))
     if not files:
         raise ConfigError(f"{directory}: no LEAF .json files")
@@ -51,7 +54,8 @@ def read_leaf_split(directory: Path) -> UserData:
                 raise ConfigError(f"{f}: user {user!r} has num_samples {count} but {len(data['y'])} samples")
             if user in out:
                 raise ConfigError(f"{f}: user {user!r} appears in two files of {directory}")
-            out[user] = (data["x"], data["y"], f)
+            out[user] = (data["x"], data["y"], f) if convert is None else (*convert(data["x"], data["y"], user, f), f)
+        del blob  # the next file's JSON replaces this one's
     return out
 
 
@@ -67,14 +71,14 @@ class LeafDataModule(PartitionedDataModule):
         super().__init__(partition=partition if partition is not None else Natural(), **kwargs)
         self.data_dir = Path(data_dir)
 
-    def read(self) -> tuple[UserData, UserData, list[str]]:
+    def read(self, convert: Callable | None = None) -> tuple[UserData, UserData, list[str]]:
         tr_dir, te_dir = self.data_dir / "train", self.data_dir / "test"
         if not tr_dir.is_dir() or not te_dir.is_dir():
             raise ConfigError(
                 f"{self.dataset} not found: expected LEAF train/ and test/ folders of .json files in {self.data_dir} "
                 f"({self.hint}); LEAF data cannot be downloaded automatically"
             )
-        train, test = read_leaf_split(tr_dir), read_leaf_split(te_dir)
+        train, test = read_leaf_split(tr_dir, convert), read_leaf_split(te_dir, convert)
         users = sorted(set(train) | set(test))
         return train, test, users
 
@@ -95,9 +99,11 @@ class LeafDataModule(PartitionedDataModule):
         return torch.cat(xs), torch.cat(ys), torch.cat(gs)
 
     def pools(self, convert: Callable, num_classes: int) -> Pools:
-        train, test, users = self.read()
-        x_tr, y_tr, g_tr = self.gather(train, users, convert)
-        x_te, y_te, g_te = self.gather(test, users, convert) if test else (x_tr[:0], y_tr[:0], y_tr[:0])
+        """Read both splits converting each user as its file is read (``read_leaf_split``), then concatenate."""
+        train, test, users = self.read(convert)
+        converted = lambda x, y, user, file: (x, y)  # noqa: E731 (already tensors)
+        x_tr, y_tr, g_tr = self.gather(train, users, converted)
+        x_te, y_te, g_te = self.gather(test, users, converted) if test else (x_tr[:0], y_tr[:0], y_tr[:0])
         self.users = users
         return Pools(x_tr, y_tr, x_te, y_te, num_classes, g_tr, g_te, users)
 

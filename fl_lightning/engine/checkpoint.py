@@ -4,11 +4,18 @@ Besides Lightning's ``state_dict`` (global model, client-state bank, algorithm s
 carries ``fl_identity`` (the algorithm and network classes), ``fl_history`` (the evaluations so far),
 ``fl_upload_bytes``, ``fl_wall_s`` (training seconds over every process that trained the run) and
 ``fl_skips_validation_of`` (a round whose validation the checkpoint was written before, or None).
+
+A bank placed on the host or on disk (``model.client_state``, ``fl_lightning.engine.state``) is not in
+``state_dict``: the checkpoint's ``fl_client_state`` lists the journal files (rows written since the previous
+checkpoint, in ``<run_dir>/client_state/``) that rebuild it, so a checkpoint costs what changed, not N. Either
+layout loads into either placement: a device-placed checkpoint's ``bank.*`` tables fill a host or disk bank, and a
+journal rebuilds a device bank.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,7 +45,13 @@ def checkpoint_mismatch(module: Any, checkpoint: dict[str, Any]) -> str | None:
             f"the checkpoint was trained with {short['algorithm']} on {short['network']}, "
             f"this config is {mine['algorithm']} on {mine['network']}"
         )
-    saved, expected = checkpoint.get("state_dict", {}), module.state_dict()
+    saved, expected = dict(checkpoint.get("state_dict", {})), dict(module.state_dict())
+    bank = getattr(module, "bank", None)
+    if bank is not None and bank.placement != "device":
+        expected.update(bank.shapes())
+    journal = checkpoint.get("fl_client_state")
+    if journal is not None:
+        saved.update({f"bank.{k}": _meta(journal["num_clients"], *v) for k, v in journal["shapes"].items()})
     missing = [k for k in expected if k not in saved]
     extra = [k for k in saved if k not in expected]
     if missing or extra:
@@ -53,8 +66,33 @@ def checkpoint_mismatch(module: Any, checkpoint: dict[str, Any]) -> str | None:
     return None
 
 
+def _meta(num_clients: int, shape: list[int], dtype: str) -> Any:
+    import torch
+
+    return torch.empty((num_clients, *shape), dtype=getattr(torch, dtype.removeprefix("torch.")), device="meta")
+
+
+def journal_directories(module: Any) -> list[Path]:
+    """Where a run keeps its client-state journal: ``<run_dir>/client_state`` (``trainer.default_root_dir``), and
+    next to the checkpoint being loaded (``<run_dir>/checkpoints/x.ckpt`` → ``<run_dir>/client_state``)."""
+    trainer = module._trainer
+    if trainer is None:
+        return [module.bank.directory] if getattr(module.bank, "directory", None) else []
+    root = getattr(trainer, "default_root_dir", None)
+    out = [] if root is None else [Path(root) / "client_state"]
+    if getattr(module.bank, "directory", None) is not None:
+        out.append(module.bank.directory)
+    ckpt = getattr(trainer, "ckpt_path", None)
+    if ckpt:
+        out.append(Path(ckpt).resolve().parent.parent / "client_state")
+    return out
+
+
 def save_entries(module: Any, checkpoint: dict[str, Any]) -> None:
-    """``FederatedModule.on_save_checkpoint``: the run's ``fl_*`` entries."""
+    """``FederatedModule.on_save_checkpoint``: the run's ``fl_*`` entries (and a host or disk bank's journal)."""
+    bank = module.bank
+    if bank is not None and bank.placement != "device":
+        checkpoint["fl_client_state"] = bank.save_journal(journal_directories(module)[0])
     checkpoint["fl_history"] = list(module.history)
     checkpoint["fl_upload_bytes"] = module.upload_bytes
     checkpoint["fl_wall_s"] = module.wall_seconds()
@@ -71,6 +109,8 @@ def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
     problem = checkpoint_mismatch(module, checkpoint) if module.bank is not None else None
     if problem:
         raise ConfigError(problem)
+    if module.bank is not None:
+        load_bank(module, checkpoint)
     module.history = list(checkpoint.get("fl_history", []))
     module.rounds_trained = int(checkpoint.get("global_step", 0))
     module.upload_bytes = float(checkpoint.get("fl_upload_bytes", 0.0))
@@ -83,3 +123,20 @@ def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
             "fl_lightning.callbacks.RoundCheckpoint saves after it.",
             skipped,
         )
+
+
+def load_bank(module: Any, checkpoint: dict[str, Any]) -> None:
+    """Restore the client-state bank from either layout (see the module docstring); afterwards ``state_dict``
+    holds exactly the ``bank.*`` entries the module's placement loads through Lightning (none off the device)."""
+    bank, state = module.bank, checkpoint.setdefault("state_dict", {})
+    journal = checkpoint.get("fl_client_state")
+    if journal is not None:
+        if journal.get("format") != 1:
+            raise ConfigError(f"the checkpoint's client state has format {journal.get('format')}; this version reads 1")
+        bank.restore_journal(journal, journal_directories(module))
+        if bank.placement == "device":
+            state.update({f"bank.{k}": v for k, v in bank.state_dict().items()})
+    elif bank.placement != "device":
+        tables = {k: state.pop(k) for k in list(state) if k.startswith("bank.")}
+        if tables:
+            bank.load_full(tables)

@@ -14,6 +14,7 @@ representation the principal-angle distance to the true representation (spec 000
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +24,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.client import Params
+from fl_lightning.client import Params, make_generator
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.executor import Workload, choose_path, client_context, vector_context
-from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks
+from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks, floyd_sample
 from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, stack
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
@@ -245,14 +246,38 @@ def evaluate_all(
     state_of: Callable[[int], Params] | None = None,
     split: str = "test",
 ) -> dict[str, Tensor]:
-    """Evaluate all of this rank's clients now (outside the validation loop); per-client and mean scores."""
+    """Evaluate all of this rank's clients now (outside the validation loop), ``CLIENTS_PER_STEP`` clients at a
+    time (memory bounded by the chunk, not by N); per-client and mean scores."""
     trainer = module._trainer
     world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
-    mine = list(range(rank, module.fed.num_clients, world))
     with torch.inference_mode(False):
         module.client_scores.reset()
-        evaluate_clients(module, mine, round_idx, module.client_scores, finetune, state_of, split)
+        for chunk in ClientChunks(module.fed.num_clients, rank, world, size=CLIENTS_PER_STEP):
+            evaluate_clients(module, chunk, round_idx, module.client_scores, finetune, state_of, split)
         return module.client_scores.compute()
+
+
+def evaluation_sample(num_clients: int, eval_clients: int | None, seed: int) -> list[int] | None:
+    """The clients a periodic evaluation scores (``model.eval_clients``): ``eval_clients`` of them drawn from
+    ``(seed, "eval_clients")`` in O(K) (Floyd), the same at every evaluation; None (every client) when unset or
+    when it is not fewer than ``num_clients``."""
+    if eval_clients is None or eval_clients >= num_clients:
+        return None
+    return floyd_sample(num_clients, eval_clients, make_generator(seed, "eval_clients")).tolist()
+
+
+def sampled_sem(result: ClientEvaluation, population: int, regression: bool = False) -> float:
+    """The standard error of the sampled mean over the clients with test data: s / √n · √((N − n)/(N − 1)), with
+    s the sample standard deviation of the per-client figure and the finite-population correction (0 when all N
+    clients are scored)."""
+    values = result.loss_per_client if regression else result.acc_per_client
+    samples = result.samples_per_client
+    v = (values if samples is None else values[samples > 0]).double()
+    n = v.numel()
+    if n < 2:
+        return float("nan")
+    correction = max(population - n, 0) / max(population - 1, 1)
+    return float(v.std(unbiased=True) / math.sqrt(n) * math.sqrt(correction))
 
 
 def evaluate_new_clients(module: Module, round_idx: int, new: FederatedData) -> dict[str, Tensor]:

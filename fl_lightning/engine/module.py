@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -51,7 +52,7 @@ from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
 from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
-from fl_lightning.engine.state import ClientStateBank
+from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 
@@ -101,6 +102,14 @@ class FederatedModule(L.LightningModule):
             trains, except that a 1-sample minibatch of a ``BatchNorm1d`` network is skipped (said once).
         privacy: user-level differential privacy of every upload (``fl_lightning.engine.privacy``: clipping on the
             client side of the ledger, Gaussian noise once on the sum, an accountant; ``configs/dp/``).
+        client_state: where the client-state bank lives (``fl_lightning.engine.state``, issue 28): ``device`` (the
+            module's device, checkpointed whole), ``host`` (CPU memory, pinned with CUDA; the cohort's rows move to
+            the device each round), ``disk`` (memory-mapped files in ``<run_dir>/client_state``), host and disk
+            checkpointed incrementally; ``auto`` (default) picks by size (``state.choose_placement``: device up to
+            32 MiB, host up to half the available memory, else disk). Every placement gives the same numbers.
+        eval_clients: the periodic evaluations score a fixed seeded sample of this many clients (the same each
+            time, so curves compare; ``val/acc_mean_sem`` is the standard error of the sampled mean); the final
+            evaluation of a fit (after its last round) scores every client. None (default): every client, always.
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -131,10 +140,14 @@ class FederatedModule(L.LightningModule):
         server_lr_schedule: LRSchedulerCallable | None = None,
         drop_last: bool = ClientOptimizer.drop_last,
         privacy: Privacy | None = None,
+        client_state: Placement = "auto",
+        eval_clients: int | None = None,
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
-                       momentum, weight_decay)  # fmt: skip
+                       momentum, weight_decay, eval_clients)  # fmt: skip
+        choose_placement(client_state, 0)  # the value is checked here, the choice in setup
+        self.client_state, self.eval_clients = client_state, eval_clients
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", "privacy",
                                           *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
@@ -191,7 +204,7 @@ class FederatedModule(L.LightningModule):
             if self.keep_client_optimizer_state:  # each client's optimiser state, kept across rounds
                 trainable = {n: p.detach() for n, p in self.net.named_parameters() if p.requires_grad}
                 template.update(state_template(self.client_optimizer, trainable))
-            self.bank = ClientStateBank(template, fed.num_clients).to(self.device)
+            self.bank = self._make_bank(template, fed.num_clients)
             self.client_scores = PerClientScores(fed.num_clients).to(self.device)
             # DDP must not broadcast the bank at every forward: every rank keeps it identical (rows are gathered)
             self._ddp_params_and_buffers_to_ignore = [f"bank.{n}" for n, _ in self.bank.named_buffers()]
@@ -202,6 +215,20 @@ class FederatedModule(L.LightningModule):
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
         if self.privacy is not None:
             check_algorithm(self.algorithm, self.net, template, self.aggregation)
+
+    def _make_bank(self, template: Params, num_clients: int) -> ClientStateBank:
+        """The bank where ``model.client_state`` puts it (``state.choose_placement``; logged when not on the
+        device); disk banks live in ``<run_dir>/client_state``."""
+        per_client = sum(t.numel() * t.element_size() for t in template.values())
+        trainer = self._trainer
+        world = getattr(trainer, "world_size", 1)
+        placement = choose_placement(self.client_state, per_client * num_clients, world)
+        root = getattr(trainer, "default_root_dir", None)
+        directory = None if root is None else Path(root) / "client_state"
+        if placement != "device":
+            log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9,
+                     num_clients)  # fmt: skip
+        return ClientStateBank(template, num_clients, placement, directory).to(self.device)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -369,11 +396,26 @@ class FederatedModule(L.LightningModule):
                 self, clients, self.rounds_trained - 1, self.client_scores, split=self.validation_split
             )
 
+    def evaluation_sample(self) -> list[int] | None:
+        """The clients of the periodic evaluations (``model.eval_clients``; None: all), fixed for the run."""
+        if self.fed is None:
+            return None
+        key = (self.fed.num_clients, self.eval_clients, self.fed.seed)
+        if getattr(self, "_sample_key", None) != key:
+            self._sample_key, self._sample = key, evaluation.evaluation_sample(*key)
+        return self._sample
+
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
+        sampled = self.trainer.state.fn == TrainerFn.FITTING and self.evaluation_sample() is not None
+        if sampled and self.rounds_trained >= self.trainer.max_steps:  # the final evaluation scores every client
+            evaluation.evaluate_all(self, self.rounds_trained - 1, split=self.validation_split)
         result = self._finish_evaluation()
         metrics = validation_metrics(result, self.fed, self.net)
+        if self.eval_clients is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            sem = evaluation.sampled_sem(result, self.fed.num_clients, self.fed.num_classes is None)
+            metrics[main_metric(self.fed) + "_sem"] = sem
         if self.trainer.state.fn == TrainerFn.FITTING:
             key = main_metric(self.fed)
             self.history.append({"round": result.round, **metrics})

@@ -27,6 +27,7 @@ def check_settings(
     eval_last: int,
     momentum: float,
     weight_decay: float,
+    eval_clients: int | None = None,
 ) -> None:
     """The ranges of ``FederatedModule``'s numeric arguments (``model.*``)."""
     positive = {"lr": lr, "batch_size": batch_size, "eval_every": 1 if eval_every is None else eval_every}
@@ -38,6 +39,8 @@ def check_settings(
             raise ConfigError(f"model.{name} is a probability in [0, 1], got {value}")
     if not 0 < straggler_budget <= 1:
         raise ConfigError(f"model.straggler_budget is a fraction in (0, 1], got {straggler_budget}")
+    if eval_clients is not None and eval_clients < 1:
+        raise ConfigError(f"model.eval_clients must be ≥ 1 (or null: every client), got {eval_clients}")
     if eval_last < 0 or momentum < 0 or weight_decay < 0:
         raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
 

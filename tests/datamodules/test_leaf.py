@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from datamodules import FEMNISTDataModule, Natural, PerClientSplit, Sent140DataModule, ShakespeareDataModule, Shards
@@ -123,3 +124,41 @@ def test_femnist_letters_train_and_digit_clients_are_new(tmp_path):
     for c in range(2):
         assert len(set(new.train.client(c)[1].tolist())) == 5
         assert set(new.test.client(c)[1].tolist()) <= set(new.train.client(c)[1].tolist())
+
+
+@pytest.mark.parametrize("count", [120, pytest.param(3000, marks=pytest.mark.slow)])
+def test_femnist_reads_thousands_of_users_over_several_files_one_file_at_a_time(count: int, tmp_path):
+    """``count`` writers over 4 LEAF files per split: every user's data arrive (numpy reference), and reading
+    converts each file's users before the next file is parsed: the peak of Python allocations is below half of what
+    holding every file's parsed JSON takes (tracemalloc)."""
+    import tracemalloc
+
+    import numpy as np
+
+    from datamodules.leaf import read_leaf_split
+
+    rng = np.random.default_rng(0)
+    users = [f"f{u:05d}_00" for u in range(count)]
+    images = {u: rng.integers(0, 2, size=(3, 784)).astype(float) / 2 for u in users}
+    labels = {u: rng.integers(0, 62, size=3).tolist() for u in users}
+    write_leaf(tmp_path, {u: (images[u][:2].tolist(), labels[u][:2]) for u in users},
+               {u: (images[u][2:].tolist(), labels[u][2:]) for u in users}, files=4)  # fmt: skip
+
+    def peak(fn) -> int:
+        tracemalloc.start()
+        kept = fn()
+        size = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        del kept
+        return size
+
+    convert = lambda xs, ys, user, file: (torch.tensor(xs, dtype=torch.float32), torch.tensor(ys))  # noqa: E731
+    streamed = peak(lambda: read_leaf_split(tmp_path / "train", convert))
+    whole = peak(lambda: read_leaf_split(tmp_path / "train"))
+    assert streamed < 0.5 * whole
+
+    fed = built(FEMNISTDataModule(num_clients=count, partition=Natural(), data_dir=str(tmp_path)))
+    for c in (0, count // 2, count - 1):
+        x, y = fed.train.client(c)
+        np.testing.assert_array_equal(x.view(2, 784).numpy(), images[users[c]][:2])
+        assert y.tolist() == labels[users[c]][:2] and fed.test.client(c)[1].tolist() == labels[users[c]][2:]

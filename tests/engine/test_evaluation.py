@@ -551,3 +551,59 @@ def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
 def _stand_in_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_finetune_heads`` builds its contexts with ``executor.vector_context(module, ...)``: the stand-in's."""
     monkeypatch.setattr(evaluation, "vector_context", lambda module, *args, **kw: module.vector_context(*args, **kw))
+
+
+# ---- model.eval_clients (issue 28) ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["fedrep", "ditto"])
+def test_sampled_evaluations_score_the_same_clients_and_the_final_one_scores_all(method: str) -> None:
+    """``eval_clients: 12`` of 60: every periodic evaluation scores the same 12 clients, logs their mean accuracy
+    and its standard error (numpy, with the finite-population correction); the evaluation after the last round
+    scores all 60 (standard error 0)."""
+    import lightning as L
+
+    from benchmarks.scale import ScaleData
+    from fl_lightning.algorithms import Ditto, FedRep
+
+    seen: list[tuple[list[int], np.ndarray, dict[str, float]]] = []
+
+    class Spy(L.Callback):
+        def on_validation_end(self, trainer, module) -> None:
+            result = module.last_evaluation
+            scored = (result.samples_per_client > 0).nonzero().flatten().tolist()
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/acc_mean")}
+            seen.append((scored, result.acc_per_client[scored].double().numpy(), metrics))
+
+    L.seed_everything(0, verbose=False)
+    algo = FedRep(head_epochs=1, body_epochs=1) if method == "fedrep" else Ditto(lam=0.5)
+    module = FederatedModule(algo, DigitsMLP(hidden=(8,)), lr=0.05, eval_clients=12, eval_last=0)
+    fit(module, ScaleData(num_clients=60, clients_per_round=6), 4, callbacks=[Spy()])
+    assert len(seen) == 4
+    sample = seen[0][0]
+    assert len(sample) == 12 and all(s[0] == sample for s in seen[:3])
+    assert seen[3][0] == list(range(60))
+    for _, acc, metrics in seen:
+        n = len(acc)
+        sem = acc.std(ddof=1) / np.sqrt(n) * np.sqrt((60 - n) / 59)
+        assert metrics["val/acc_mean"] == pytest.approx(acc.mean(), abs=1e-6)
+        assert metrics["val/acc_mean_sem"] == pytest.approx(sem, abs=1e-9)
+    assert seen[3][2]["val/acc_mean_sem"] == 0.0 and module.summary["final"] == pytest.approx(seen[3][1].mean())
+
+
+def test_evaluate_all_scores_every_client_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the validation loop every client is scored, ``CLIENTS_PER_STEP`` at a time (bounded memory)."""
+    monkeypatch.setattr(evaluation, "CLIENTS_PER_STEP", 7)
+    calls: list[list[int]] = []
+    real = evaluation.evaluate_clients
+
+    def spy(module: FederatedModule, clients: list[int], *args, **kwargs) -> None:
+        calls.append(list(clients))
+        real(module, clients, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_clients", spy)
+    module = FederatedModule(FedAvg(1, personal=["head."]), DigitsMLP(hidden=(4,)))
+    dm = DigitsDataModule(num_clients=20, participation=0.2, seed=0, partition=Shards(classes_per_client=2))
+    dm.setup("fit")
+    module.attach_data(dm.federated)
+    scores = module.evaluate_clients(0)
+    assert [len(c) for c in calls] == [7, 7, 6] and sorted(sum(calls, [])) == list(range(20))
+    assert int((scores["samples_per_client"] > 0).sum()) == 20

@@ -393,6 +393,8 @@ def test_hyperparameters_leave_out_objects_and_optimizer_factories() -> None:
         "executor",
         "keep_client_optimizer_state",
         "drop_last",
+        "client_state",
+        "eval_clients",
     }
     assert set(module.hparams) == expected
     assert module.hparams["lr"] == 0.01 and module.hparams["batch_size"] == 10

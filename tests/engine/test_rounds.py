@@ -52,3 +52,34 @@ def test_round_loader_resumes_from_its_saved_round() -> None:
     loader.load_state_dict({"next_round": 2})
     assert [int(b["round"]) for b in loader] == [2, 3]
     assert [int(b["round"]) for b in loader] == [0, 1, 2, 3]
+
+
+def test_floyd_sample_is_uniform_distinct_and_sorted() -> None:
+    """Every k-subset is equally likely: over 6000 draws of 2 of 4 clients, each of the 6 pairs appears about
+    1000 times (a chi-square bound at p ≈ 1e-6 for 5 degrees of freedom)."""
+    from collections import Counter
+
+    from fl_lightning.engine.rounds import floyd_sample
+
+    g = torch.Generator().manual_seed(0)
+    counts = Counter(tuple(floyd_sample(4, 2, g).tolist()) for _ in range(6000))
+    assert sorted(counts) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    chi2 = sum((c - 1000) ** 2 / 1000 for c in counts.values())
+    assert chi2 < 35.9
+    big = floyd_sample(10**9, 50, g)
+    assert big.tolist() == sorted(set(big.tolist())) and len(big) == 50
+    assert 0 <= int(big.min()) and int(big.max()) < 10**9
+
+
+def test_cohorts_of_large_populations_are_drawn_without_a_permutation_of_all_clients(monkeypatch) -> None:
+    """Above ``PERMUTATION_CLIENTS`` no round calls ``randperm`` (O(N)); below, cohorts are the permutation's head."""
+    from fl_lightning.client import make_generator
+    from fl_lightning.engine import rounds
+
+    small = ClientSampler(100, 5, seed=3)
+    head = torch.randperm(100, generator=make_generator(3, "cohort", 7))[:5].sort().values
+    assert torch.equal(small.sample(7), head)
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("randperm")))
+    large = rounds.PERMUTATION_CLIENTS + 1
+    cohort = ClientSampler(large, 10, seed=3).sample(7)
+    assert len(set(cohort.tolist())) == 10 and torch.equal(cohort, ClientSampler(large, 10, seed=3).sample(7))

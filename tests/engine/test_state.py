@@ -80,3 +80,92 @@ def test_state_dict_round_trip_and_checkpoint_key_format() -> None:
     for n, t in template().items():
         assert_close_finite(fresh.row(n)[2], t.numpy() + 1)
         assert_close_finite(fresh.row(n)[0], t.numpy())
+
+
+# ---- placements (model.client_state, issue 28) ---------------------------------------------------------------------
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_host_and_disk_banks_answer_as_the_device_bank(placement: str, tmp_path) -> None:
+    """Random scatters, then gather / get of written and never-written rows: exactly the device bank's values, on
+    the module's device, in the bank's dtypes; the disk bank lives in its folder."""
+    rng = np.random.default_rng(1)
+    device = ClientStateBank(template(), 30)
+    other = ClientStateBank(template(), 30, placement, tmp_path / "bank")
+    for _ in range(4):
+        ids = torch.from_numpy(rng.choice(30, size=6, replace=False))
+        values = {n: torch.from_numpy(rng.normal(size=(6, *t.shape))) for n, t in template().items()}
+        device.scatter(ids, values)
+        other.scatter(ids, values)
+    probe = torch.tensor([0, 5, 29, 5, 11])
+    pairs = [(device.gather(probe), other.gather(probe)), (device.get(3), other.get(3)), (device.get(0), other.get(0))]
+    for a, b in pairs:
+        assert sorted(a) == sorted(b)
+        for n in a:
+            assert b[n].dtype == a[n].dtype and b[n].device == a[n].device
+            torch.testing.assert_close(b[n], a[n], rtol=0, atol=0)
+    for n in template():
+        torch.testing.assert_close(other.row(n), device.row(n), rtol=0, atol=0)
+    assert other.bytes_per_client() == device.bytes_per_client()
+    assert (placement == "disk") == any((tmp_path / "bank").glob("*.bin"))
+
+
+def test_auto_placement_follows_the_documented_rule(monkeypatch) -> None:
+    from fl_lightning.engine import state
+    from fl_lightning.engine.state import AUTO_DEVICE_BYTES, choose_placement
+    from fl_lightning.errors import ConfigError
+
+    monkeypatch.setattr(state, "memory_available", lambda: 10 * 2**30)
+    assert choose_placement("auto", AUTO_DEVICE_BYTES) == "device"
+    assert choose_placement("auto", AUTO_DEVICE_BYTES + 1) == "host"
+    assert choose_placement("auto", 5 * 2**30) == "host"
+    assert choose_placement("auto", 5 * 2**30 + 1) == "disk"
+    assert choose_placement("auto", 5 * 2**30, world_size=2) == "device"
+    assert choose_placement("disk", 1) == "disk"
+    with pytest.raises(ConfigError, match="^model.client_state host runs on one process"):
+        choose_placement("host", 1, world_size=2)
+    with pytest.raises(ConfigError, match="^model.client_state must be auto, device, host or disk, got 'gpu'"):
+        choose_placement("gpu", 1)
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+@pytest.mark.parametrize("method", ["fedrep", "ditto"])
+def test_a_fit_with_each_placement_equals_the_device_placement(placement: str, method: str, tmp_path) -> None:
+    """Three rounds and an evaluation of every client: the global model, every client's state and every client's
+    accuracy agree with ``client_state: device`` to 1e-6."""
+    from benchmarks.scale import ScaleData
+    from fl_lightning.algorithms import Ditto, FedRep
+    from fl_lightning.engine.module import FederatedModule
+    from fl_lightning.models import DigitsMLP
+    from tests.helpers.training import fit
+
+    def run(where: str) -> FederatedModule:
+        import lightning as L
+
+        L.seed_everything(0, verbose=False)
+        algo = FedRep(head_epochs=1, body_epochs=1) if method == "fedrep" else Ditto(lam=0.5)
+        module = FederatedModule(algo, DigitsMLP(hidden=(8,)), lr=0.05, client_state=where, eval_last=0)
+        data = ScaleData(num_clients=40, clients_per_round=8)
+        return fit(module, data, 3, val_check_interval=3, default_root_dir=str(tmp_path / where))
+
+    ref, got = run("device"), run(placement)
+    assert got.bank.placement == placement and ref.bank.placement == "device"
+    for (n, p), q in zip(ref.net.named_parameters(), got.net.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=n)
+    for n in ref.bank.names:
+        torch.testing.assert_close(got.bank.row(n), ref.bank.row(n), rtol=0, atol=1e-6)
+    accuracy = got.last_evaluation.acc_per_client
+    torch.testing.assert_close(accuracy, ref.last_evaluation.acc_per_client, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_a_dtype_change_converts_host_and_disk_tables_and_keeps_their_rows(placement: str, tmp_path) -> None:
+    """``trainer.precision: 64-true`` converts the module after the bank is built: the tables follow, written
+    rows kept (a float64 reference by hand)."""
+    bank = ClientStateBank(template(), 5, placement, tmp_path / "bank")
+    bank.scatter(torch.tensor([2]), {"fc.weight": torch.full((1, 2, 3), 0.5), "fc.bias": torch.ones(1, 2),
+                                     "steps": torch.tensor([9])})  # fmt: skip
+    bank.double()
+    rows = bank.gather(torch.tensor([2, 4]))
+    assert rows["fc.weight"].dtype == torch.float64 and rows["steps"].dtype == torch.int64
+    expected = np.stack([np.full((2, 3), 0.5), np.arange(6, dtype=np.float64).reshape(2, 3)])
+    np.testing.assert_array_equal(rows["fc.weight"].numpy(), expected)
+    np.testing.assert_array_equal(rows["steps"].numpy(), [9, 3])

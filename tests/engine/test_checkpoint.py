@@ -1,0 +1,130 @@
+"""``fl_lightning/engine/checkpoint.py`` with ``state.py``'s journal: host and disk banks are checkpointed
+incrementally (the rows written since the previous checkpoint), and a resumed fit equals the uninterrupted one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from benchmarks.scale import ScaleData
+from fl_lightning.algorithms import Ditto
+from fl_lightning.engine.checkpoint import checkpoint_mismatch
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.state import ClientStateBank
+from fl_lightning.errors import ConfigError
+from fl_lightning.models import DigitsMLP
+from tests.helpers.training import make_trainer
+
+N = 40
+
+
+def template() -> dict[str, torch.Tensor]:
+    return {"fc.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "steps": torch.tensor(3)}
+
+
+@pytest.mark.parametrize("placement", ["host", "disk"])
+def test_each_checkpoint_journals_only_the_rows_written_since_the_last(placement: str, tmp_path: Path) -> None:
+    """Three checkpoints of random writes: each journal file holds exactly the rows written since the previous
+    checkpoint, and each checkpoint rebuilds its own bank (numpy reference), also after a resume that writes on."""
+    rng = np.random.default_rng(0)
+    ref = {n: np.stack([t.numpy()] * N) for n, t in template().items()}
+    bank = ClientStateBank(template(), N, placement, tmp_path / "bank")
+    journal = tmp_path / "journal"
+    snapshots, checkpoints = [], []
+    for _ in range(3):
+        written: set[int] = set()
+        for _ in range(2):
+            ids = rng.choice(N, size=5, replace=False)
+            values = {"fc.weight": rng.normal(size=(5, 2, 3)), "steps": rng.integers(0, 100, size=5)}
+            bank.scatter(torch.from_numpy(ids), {n: torch.from_numpy(v) for n, v in values.items()})
+            for n, v in values.items():
+                ref[n][ids] = v
+            written |= set(ids.tolist())
+        meta = bank.save_journal(journal)
+        newest = torch.load(journal / meta["segments"][-1], weights_only=True)
+        assert sorted(newest["clients"].tolist()) == sorted(written)  # what changed, not N
+        snapshots.append({n: v.copy() for n, v in ref.items()})
+        checkpoints.append(meta)
+    assert bank.save_journal(journal)["segments"] == checkpoints[-1]["segments"]  # nothing changed: no file
+
+    for meta, snap in zip(checkpoints, snapshots):
+        fresh = ClientStateBank(template(), N, placement, tmp_path / "fresh")
+        fresh.restore_journal(meta, [])
+        for n in snap:
+            np.testing.assert_allclose(fresh.row(n).numpy(), snap[n], rtol=0, atol=1e-6)
+
+    resumed = ClientStateBank(template(), N, placement, tmp_path / "resumed")  # resume from checkpoint 1, write on
+    resumed.restore_journal(checkpoints[0], [])
+    after = {n: v.copy() for n, v in snapshots[0].items()}
+    resumed.scatter(torch.tensor([7]), {"fc.weight": torch.full((1, 2, 3), -1.0), "steps": torch.tensor([-5])})
+    after["fc.weight"][7], after["steps"][7] = -1.0, -5
+    again = ClientStateBank(template(), N, placement, tmp_path / "again")
+    again.restore_journal(resumed.save_journal(journal), [])
+    for n in after:
+        np.testing.assert_allclose(again.row(n).numpy(), after[n], rtol=0, atol=1e-6)
+
+
+def test_a_missing_journal_is_refused_in_one_line(tmp_path: Path) -> None:
+    bank = ClientStateBank(template(), N, "host", tmp_path / "bank")
+    bank.scatter(torch.tensor([1]), {n: t.unsqueeze(0) + 1 for n, t in template().items()})
+    meta = bank.save_journal(tmp_path / "journal")
+    (tmp_path / "journal" / meta["segments"][0]).unlink()
+    with pytest.raises(ConfigError, match=r"^the checkpoint's client state \(1 journal files in .*\) is missing"):
+        ClientStateBank(template(), N, "host").restore_journal(meta, [])
+
+
+def ditto_module(placement: str) -> FederatedModule:
+    return FederatedModule(Ditto(lam=0.5), DigitsMLP(hidden=(8,)), lr=0.05, client_state=placement, eval_last=0)
+
+
+def fit(placement: str, run_dir: Path, rounds: int, ckpt: str | None = None) -> FederatedModule:
+    L.seed_everything(0, verbose=False)
+    module = ditto_module(placement)
+    every = ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=2, save_top_k=-1, monitor="step",
+                            mode="max", filename="round{step:05d}", auto_insert_metric_name=False)  # fmt: skip
+    trainer = make_trainer(rounds, enable_checkpointing=True, callbacks=[every], limit_val_batches=0,
+                           default_root_dir=str(run_dir))  # fmt: skip
+    trainer.fit(module, datamodule=ScaleData(num_clients=60, clients_per_round=6), ckpt_path=ckpt)
+    return module
+
+
+@pytest.mark.parametrize(
+    "first,second", [("host", "host"), ("disk", "disk"), ("device", "host"), ("host", "device")]
+)
+def test_resume_after_the_process_wrote_past_its_checkpoint_equals_the_uninterrupted_run(
+    first: str, second: str, tmp_path: Path
+) -> None:
+    """The killed run trains round 3 after the round-2 checkpoint (its bank files hold round 3's rows, as after a
+    ``kill -9``); resumed from round 2 it ends where the uninterrupted run does. Either layout loads into either
+    placement (a device checkpoint carries the bank whole, a host one its journal)."""
+    full = fit(first, tmp_path / "full", 4)
+    fit(first, tmp_path / "killed", 3)
+    ckpt = tmp_path / "killed" / "checkpoints" / "round00002.ckpt"
+    saved = torch.load(ckpt, weights_only=False)
+    assert ("fl_client_state" in saved) == (first != "device")
+    assert any(k.startswith("bank.") for k in saved["state_dict"]) == (first == "device")
+    resumed = fit(second, tmp_path / "killed", 4, ckpt=str(ckpt))
+    assert resumed.bank.placement == second and resumed.global_step == 4
+    for n, p in full.net.named_parameters():
+        torch.testing.assert_close(dict(resumed.net.named_parameters())[n], p, rtol=0, atol=0)
+    for n in full.bank.names:
+        torch.testing.assert_close(resumed.bank.row(n), full.bank.row(n), rtol=0, atol=0)
+    rows = full.bank.row(full.bank.names[0]).flatten(1)
+    assert torch.unique(rows, dim=0).shape[0] > 1  # clients trained: the bank is not the template everywhere
+
+
+def test_a_journal_of_another_client_count_is_refused_in_one_line(tmp_path: Path) -> None:
+    bank = ClientStateBank(template(), N, "host", tmp_path / "bank")
+    meta = bank.save_journal(tmp_path / "journal")
+    module = ditto_module("host")
+    module.attach_data(ScaleData(num_clients=30).build())
+    shapes = module.bank.shapes()
+    meta["shapes"] = {k.removeprefix("bank."): [list(v.shape[1:]), str(v.dtype)] for k, v in shapes.items()}
+    assert checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_client_state": meta}) == (
+        f"the checkpoint has {N} clients, this config 30"
+    )
