@@ -166,6 +166,13 @@ def test_evaluation_never_imports_the_module(graph: dict[str, set[str]]) -> None
     assert "fl_lightning.engine.module" not in graph["fl_lightning.engine.executor"]
 
 
+def test_the_round_stays_readable_the_engine_module_under_450_lines() -> None:
+    """Issue 32: ``engine/module.py`` holds the Lightning hooks only; the summary, the bank's placement, privacy and
+    the evaluation paths live beside it."""
+    lines = (ROOT / "fl_lightning/engine/module.py").read_text().count("\n")
+    assert lines < 450, f"fl_lightning/engine/module.py has {lines} lines"
+
+
 def test_no_import_goes_up_a_layer(graph: dict[str, set[str]]) -> None:
     assert layer_violations(graph) - KNOWN_EXCEPTIONS == set()
 

@@ -303,7 +303,7 @@ def class_shares(module: Module, split: str) -> dict[str, float]:
     predicts one class everywhere gives 1.0 where the labels give far less."""
     fed, net, algorithm = module.fed, module.net, module.algorithm
     trainer = module._trainer
-    world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
+    world, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
     predicted = torch.zeros(fed.num_classes, dtype=torch.long, device=module.device)
     labels = torch.zeros_like(predicted)
     glob, was_training = module.global_params(), net.training
@@ -324,15 +324,12 @@ def class_shares(module: Module, split: str) -> dict[str, float]:
         predicted, labels = (trainer.strategy.reduce(t, reduce_op="sum") for t in (predicted, labels))
     total = max(int(labels.sum()), 1)
     top_predicted, top_label = int(predicted.max()) / total, int(labels.max()) / total
-    return {"final/top_class_share": top_predicted, "final/label_top_class_share": top_label}
+    return {"top_class_share": top_predicted, "label_top_class_share": top_label}
 
 
 def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, float]:
-    """Held-out new clients (if the DataModule has them; their test split), "+FT" (if configured) and, for
-    classification, the prediction shares of ``class_shares``."""
+    """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
     out: dict[str, float] = {}
-    if module.fed.num_classes is not None:
-        out.update(class_shares(module, split))
     new = getattr(getattr(module._trainer, "datamodule", None), "new_clients", None)
     if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
         name, key = ("acc", "acc_mean") if module.fed.num_classes is not None else ("mse", "loss_mean")

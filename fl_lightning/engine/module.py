@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -52,7 +51,8 @@ from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
 from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
-from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement
+from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement, make_bank
+from fl_lightning.engine.summary import run_summary
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 
@@ -204,7 +204,7 @@ class FederatedModule(L.LightningModule):
             if self.keep_client_optimizer_state:  # each client's optimiser state, kept across rounds
                 trainable = {n: p.detach() for n, p in self.net.named_parameters() if p.requires_grad}
                 template.update(state_template(self.client_optimizer, trainable))
-            self.bank = self._make_bank(template, fed.num_clients)
+            self.bank = make_bank(template, fed.num_clients, self.client_state, self._trainer).to(self.device)
             self.client_scores = PerClientScores(fed.num_clients).to(self.device)
             # DDP must not broadcast the bank at every forward: every rank keeps it identical (rows are gathered)
             self._ddp_params_and_buffers_to_ignore = [f"bank.{n}" for n, _ in self.bank.named_buffers()]
@@ -215,20 +215,6 @@ class FederatedModule(L.LightningModule):
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
         if self.privacy is not None:
             check_algorithm(self.algorithm, self.net, template, self.aggregation)
-
-    def _make_bank(self, template: Params, num_clients: int) -> ClientStateBank:
-        """The bank where ``model.client_state`` puts it (``state.choose_placement``; logged when not on the
-        device); disk banks live in ``<run_dir>/client_state``."""
-        per_client = sum(t.numel() * t.element_size() for t in template.values())
-        trainer = self._trainer
-        world = getattr(trainer, "world_size", 1)
-        placement = choose_placement(self.client_state, per_client * num_clients, world)
-        root = getattr(trainer, "default_root_dir", None)
-        directory = None if root is None else Path(root) / "client_state"
-        if placement != "device":
-            log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9,
-                     num_clients)  # fmt: skip
-        return ClientStateBank(template, num_clients, placement, directory).to(self.device)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -265,8 +251,7 @@ class FederatedModule(L.LightningModule):
     def on_validation_start(self) -> None:
         self.fed = self.fed.to(self.device, self.data_dtype())
 
-    def on_test_start(self) -> None:
-        self.fed = self.fed.to(self.device, self.data_dtype())
+    on_test_start = on_validation_start
 
     def configure_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
         """The server optimiser and the client learning rate, each with its per-round schedule
@@ -344,22 +329,14 @@ class FederatedModule(L.LightningModule):
         if self.client_dropout or self.stragglers or stats.non_finite:
             faults = {"dropped": stats.dropped, "non_finite": stats.non_finite, "stragglers": stats.stragglers}
             self.log_dict({f"faults/{k}": v for k, v in faults.items()})
-        if self.privacy is not None:  # the clients' losses and count are not released under DP
-            self.log_dict({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
-            self._count_upload(stats.upload_bytes)
-            self.log_dict({"comm/download_bytes": float(self.ledger.download_bytes), "round": float(round_idx)})
-            return
-        self.log_dict(
-            {
-                "train/loss": stats.mean_loss,
-                "train/clients": stats.survivors,
-                "comm/upload_bytes": stats.upload_bytes,
-                "comm/upload_bytes_total": self._count_upload(stats.upload_bytes),
-                "comm/download_bytes": float(self.ledger.download_bytes),
-                "round": float(round_idx),
-            },
-            prog_bar=False,
-        )
+        metrics = {"comm/download_bytes": float(self.ledger.download_bytes), "round": float(round_idx)}
+        total = self._count_upload(stats.upload_bytes)
+        if self.privacy is None:
+            metrics.update({"train/loss": stats.mean_loss, "train/clients": stats.survivors,
+                            "comm/upload_bytes": stats.upload_bytes, "comm/upload_bytes_total": total})  # fmt: skip
+        else:  # under DP the clients' losses, their count and the upload bytes (which count them) are not released
+            metrics.update({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
+        self.log_dict(metrics, prog_bar=False)
 
     def _count_upload(self, round_bytes: float) -> float:
         self.upload_bytes += float(round_bytes)
@@ -398,12 +375,10 @@ class FederatedModule(L.LightningModule):
 
     def evaluation_sample(self) -> list[int] | None:
         """The clients of the periodic evaluations (``model.eval_clients``; None: all), fixed for the run."""
-        if self.fed is None:
-            return None
-        key = (self.fed.num_clients, self.eval_clients, self.fed.seed)
-        if getattr(self, "_sample_key", None) != key:
+        key = None if self.fed is None else (self.fed.num_clients, self.eval_clients, self.fed.seed)
+        if key is not None and getattr(self, "_sample_key", None) != key:
             self._sample_key, self._sample = key, evaluation.evaluation_sample(*key)
-        return self._sample
+        return None if key is None else self._sample
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
@@ -413,11 +388,11 @@ class FederatedModule(L.LightningModule):
             evaluation.evaluate_all(self, self.rounds_trained - 1, split=self.validation_split)
         result = self._finish_evaluation()
         metrics = validation_metrics(result, self.fed, self.net)
-        if self.eval_clients is not None and self.trainer.state.fn == TrainerFn.FITTING:
-            sem = evaluation.sampled_sem(result, self.fed.num_clients, self.fed.num_classes is None)
-            metrics[main_metric(self.fed) + "_sem"] = sem
         if self.trainer.state.fn == TrainerFn.FITTING:
             key = main_metric(self.fed)
+            if self.eval_clients is not None:  # the standard error of a sampled evaluation's mean
+                regression = self.fed.num_classes is None
+                metrics[key + "_sem"] = evaluation.sampled_sem(result, self.fed.num_clients, regression)
             self.history.append({"round": result.round, **metrics})
             metrics[key.replace("_mean", "_last10")] = mean_of_last(self.history, key, self.eval_last)
         self.log_dict(metrics, prog_bar=True)
@@ -457,48 +432,9 @@ class FederatedModule(L.LightningModule):
 
     # ---- end of fit ----------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
-        """The run summary (after the last round's validation): "+FT" and new clients are evaluated here."""
-        key = main_metric(self.fed)
-        last = self.history[-1] if self.history else {}
-        recent = self.history[-self.eval_last :]
-        lower_is_better = self.fed.num_classes is None
-        values = [h[key] for h in self.history]
-        summary = {
-            "algorithm": type(self.algorithm).__name__ + ("+FT" if self.finetune else ""),
-            "rounds": self.rounds_trained,
-            "final": last.get(key, float("nan")),
-            "last10": sum(h[key] for h in recent) / max(len(recent), 1),
-            "best": (min(values) if lower_is_better else max(values)) if values else float("nan"),
-            "wall_s": self.wall_seconds(),
-            "upload_bytes": self.upload_bytes,
-            "metric": key.split("/")[1].replace("_mean", ""),
-        }
-        if self.privacy is not None:
-            summary.update(self.privacy.summary(self.rounds_trained, final=True))
-        if self.fed.num_classes is not None:
-            summary["classes"] = self.fed.num_classes  # chance accuracy is 1/classes (the report flags a collapse)
-        if "val/dist_B" in last:
-            summary["dist_B"] = last["val/dist_B"]
-        end = self._end_evaluations(self.rounds_trained - 1, split=self.validation_split)
-        for name in ("acc", "mse"):
-            if f"final/new_clients_{name}" in end:
-                summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
-        summary.update({k.removeprefix("final/"): v for k, v in end.items() if k.endswith("class_share")})
-        self.final_clients = self.last_evaluation
-        # final, last10, best and final_{std,worst10,min} are always the plain run's; X+FT is an evaluation of the
-        # same run, kept under its own names (final_ft, final_ft_{std,worst10,min}), so no table mixes the two
-        figures = [("final", self.last_evaluation)]
-        if "final/acc_ft" in end:
-            summary["final_ft"] = end["final/acc_ft"]
-            figures.append(("final_ft", self.finetuned_clients))
-            self.final_clients = self.finetuned_clients  # clients.csv: the per-client numbers of the "+FT" result
-        for name, clients in figures:
-            if clients is not None and clients.round == self.rounds_trained - 1:
-                summary.update({f"{name}_{k.split('_', 1)[1]}": v for k, v in clients.spread(lower_is_better).items()})
-        if end:
-            for logger in self.loggers:
-                logger.log_metrics(end, step=self.rounds_trained - 1)
-        self.summary = summary
+        """The run summary (``summary.run_summary``, after the last round's validation): "+FT" and new clients are
+        evaluated here."""
+        self.summary = run_summary(self)
 
     # ---- checkpoints: fl_lightning.engine.checkpoint ------------------------------------------------------------
     def wall_seconds(self) -> float:

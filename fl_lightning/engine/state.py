@@ -18,6 +18,7 @@ a checkpoint resumes exactly that checkpoint's bank, whatever the killed process
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -31,7 +32,9 @@ from torch import Tensor, nn
 
 from fl_lightning.errors import ConfigError
 
-__all__ = ["AUTO_DEVICE_BYTES", "ClientStateBank", "Placement", "choose_placement", "memory_available"]
+log = logging.getLogger("fl_lightning")
+
+__all__ = ["AUTO_DEVICE_BYTES", "ClientStateBank", "Placement", "choose_placement", "make_bank", "memory_available"]
 
 Placement = Literal["auto", "device", "host", "disk"]
 
@@ -279,3 +282,15 @@ class ClientStateBank(nn.Module):
             self._stores[n].copy_(rows[f"bank.{_key(n)}"].to("cpu", self._stores[n].dtype))
         self.written[:] = True
         self.all_dirty = True
+
+
+def make_bank(template: dict[str, Tensor], num_clients: int, client_state: str, trainer: Any) -> ClientStateBank:
+    """The run's bank where ``model.client_state`` puts it (``choose_placement`` from its size and the trainer's
+    world size; logged when not on the device); disk banks live in ``<trainer.default_root_dir>/client_state``."""
+    per_client = sum(t.numel() * t.element_size() for t in template.values())
+    placement = choose_placement(client_state, per_client * num_clients, getattr(trainer, "world_size", 1))
+    root = getattr(trainer, "default_root_dir", None)
+    directory = None if root is None else Path(root) / "client_state"
+    if placement != "device":
+        log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9, num_clients)
+    return ClientStateBank(template, num_clients, placement, directory)
