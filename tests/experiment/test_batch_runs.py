@@ -120,7 +120,9 @@ def test_batched_by_default_with_the_numbers_of_each_run_alone(tmp_path, capsys)
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "alone"), "--batch-runs", "1"]) == 0
     assert "[batch]" not in capsys.readouterr().err
 
-    path.write_text(yaml.safe_dump(grid("same", batch_runs=1)))  # the file's key does the same
+    key = grid("same", batch_runs=1)  # the file's key does the same, on the smallest group that would batch
+    key["axes"]["method"] = {"fedrep": f"{DIGITS}/fedrep.yaml"}  # (FedRep's 2 seeds: 2 runs, not all 6 again)
+    path.write_text(yaml.safe_dump(key))
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "key")]) == 0
     assert "[batch]" not in capsys.readouterr().err
 
@@ -136,16 +138,14 @@ def test_batched_by_default_with_the_numbers_of_each_run_alone(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_worker_jobs_run_a_batch_as_one_process(tmp_path, capsys):
-    path = tmp_path / "exp.yaml"
-    data = grid("workers")
-    data["axes"]["method"] = {"fedrep": f"{DIGITS}/fedrep.yaml"}
-    path.write_text(yaml.safe_dump(data))
-    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs"), "--jobs", "2"]) == 0
-    assert "(2 runs)" in capsys.readouterr().err
-    batch = json.loads((tmp_path / "runs" / "workers" / "batches" / "fedrep-s0.json").read_text())
+def test_worker_jobs_run_a_batch_as_one_process(worker_grid):
+    """FedRep × 2 seeds with ``--jobs 2`` (tests/experiment/conftest.py; test_runner.py reads the same run)."""
+    folder, code, _, err = worker_grid
+    assert code == 0
+    assert "(2 runs)" in err
+    batch = json.loads((folder / "runs" / "workers" / "batches" / "fedrep-s0.json").read_text())
     assert [Path(r["log"]).parent.name for r in batch] == ["s0", "s1"]
-    assert len(summaries(tmp_path / "runs", "workers")) == 2
+    assert len(summaries(folder / "runs", "workers")) == 2
 
 
 @pytest.mark.slow
