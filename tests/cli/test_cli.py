@@ -246,7 +246,7 @@ def test_a_run_dir_holds_one_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path):
+def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path, monkeypatch, capsys):
     rounds = ["--trainer.max_steps", "12", "--checkpoint_every", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -265,8 +265,10 @@ def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_
         if victim.poll() is None:
             victim.kill()
     assert not (victim_dir / "summary.json").exists()
-    resumed = subprocess.run([*cmd, "--ckpt_path", "last"], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the resume runs in this process (cli.main, what train.py calls)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert train_2(victim_dir, *rounds, "--ckpt_path", "last") == 0
+    capsys.readouterr()
 
     deadline = time.monotonic() + 60
     while not (runs := offline_runs(victim_dir))[-1].exited and time.monotonic() < deadline:
@@ -278,6 +280,7 @@ def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_
     assert [row["trainer/global_step"] for row in runs[-1].history if "val/acc_mean" in row][-1] == 11
 
     full = tmp_path / "full"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     assert train_2(full, *rounds) == 0  # the same run, never interrupted (W&B disabled)
     for key in ("val/acc_mean", "val/acc_std", "train/loss"):
         got, want = per_step(victim_dir / "metrics.csv", key), per_step(full / "metrics.csv", key)
