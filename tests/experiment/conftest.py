@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-DIGITS = str(Path(__file__).resolve().parents[2] / "configs" / "digits")
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "configs" / "digits")
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +32,8 @@ def worker_grid(tmp_path_factory) -> tuple[Path, int, str, str]:
     from fl_lightning.experiment.__main__ import main
 
     out, err = io.StringIO(), io.StringIO()
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["run", str(path), "--jobs", "2"])
-    finally:
-        os.chdir(cwd)
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(folder)
+        patch.setenv("PYTHONPATH", str(ROOT))  # the job's child process imports this checkout, not an installed copy
+        code = main(["run", str(path), "--jobs", "2"])
     return folder, code, out.getvalue(), err.getvalue()

@@ -149,7 +149,7 @@ def test_worker_jobs_run_a_batch_as_one_process(worker_grid):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path):
+def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path, monkeypatch):
     """SIGINT while a batched job trains: exit 130, every run keeps its checkpoint; the same command resumes both
     runs (``--ckpt_path last``) and finishes them."""
     data = grid("stop")
@@ -176,12 +176,9 @@ def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path):
     assert not any((d / "summary.json").exists() for d in dirs)
 
     # the same command again, in this process (the interrupted one had to be another process; the batch is a child)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the job's child process imports this checkout, as above
+    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
     for d in dirs:
         log = (d / "train.log").read_text()
         assert log.count("====") == 2 and "--ckpt_path last" in log.split("====")[-1]  # resumed
