@@ -37,9 +37,22 @@ def train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture(scope="module")
+def quickstart_offline(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One ``train.py`` quickstart run (3 rounds) in a subprocess with W&B offline: the real entry point, shared by
+    the result-table and the W&B-directory checks (one interpreter start instead of two)."""
+    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *QUICK, "--trainer.max_steps", "3", "--run_dir", str(run_dir)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return out, run_dir
+
+
 @pytest.mark.slow
-def test_quickstart_prints_the_result_table(tmp_path):
-    out = train(*QUICK, "--trainer.max_steps", "3", "--run_dir", str(tmp_path))
+def test_quickstart_prints_the_result_table(quickstart_offline):
+    out, tmp_path = quickstart_offline
     assert out.returncode == 0, out.stderr[-2000:]
     assert "algorithm" in out.stdout and "FedRep" in out.stdout and "last10" in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -52,19 +65,27 @@ def test_quickstart_prints_the_result_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_print_config_round_trips():
-    out = train(*QUICK, "--model.lr", "0.05", "--print_config")
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "lr: 0.05" in out.stdout and "fl_lightning.algorithms.FedRep" in out.stdout
+def test_print_config_round_trips(monkeypatch, capsys):
+    """In this process (what train.py calls): jsonargparse prints the resolved config and exits with 0."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    with pytest.raises(SystemExit) as exit_:
+        main([*QUICK, "--model.lr", "0.05", "--print_config"])
+    out = capsys.readouterr().out
+    assert exit_.value.code in (0, None)
+    assert "lr: 0.05" in out and "fl_lightning.algorithms.FedRep" in out
 
 
 @pytest.mark.slow
-def test_resume_with_ckpt_path_last_continues_to_the_same_result(tmp_path):
-    full = train(*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "full"))
-    part = train(*QUICK, "--trainer.max_steps", "3", "--run_dir", str(tmp_path / "part"), "--checkpoint_every", "3")
-    assert full.returncode == 0 and part.returncode == 0, part.stderr[-2000:]
-    resumed = train(*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "part"), "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+def test_resume_with_ckpt_path_last_continues_to_the_same_result(tmp_path, monkeypatch):
+    """In this process (``cli.main``, what train.py calls; the real entry point resumes a killed run below)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    assert main([*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "full")]) == 0
+    part = [*QUICK, "--trainer.max_steps", "3", "--run_dir", str(tmp_path / "part"), "--checkpoint_every", "3"]
+    assert main(part) == 0
+    resumed = [*QUICK, "--trainer.max_steps", "6", "--run_dir", str(tmp_path / "part"), "--ckpt_path", "last"]
+    assert main(resumed) == 0
     a = json.loads((tmp_path / "full" / "summary.json").read_text())
     b = json.loads((tmp_path / "part" / "summary.json").read_text())
     assert (a["final"], a["last10"], a["rounds"]) == (b["final"], b["last10"], b["rounds"])
@@ -116,19 +137,8 @@ def test_train_py_itself_gives_the_one_line_error_and_exit_code_2():
 
 
 @pytest.mark.slow
-def test_wandb_offline_run_directory_is_written(tmp_path):
-    env_mode = os.environ.get("WANDB_MODE")
-    os.environ["WANDB_MODE"] = "offline"
-    try:
-        out = subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *QUICK, "--trainer.max_steps", "2", "--run_dir", str(tmp_path)],
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    finally:
-        os.environ["WANDB_MODE"] = env_mode or "disabled"
+def test_wandb_offline_run_directory_is_written(quickstart_offline):
+    out, tmp_path = quickstart_offline
     assert out.returncode == 0, out.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
@@ -236,7 +246,7 @@ def test_a_run_dir_holds_one_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path):
+def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_path, monkeypatch, capsys):
     rounds = ["--trainer.max_steps", "12", "--checkpoint_every", "4"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -255,8 +265,10 @@ def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_
         if victim.poll() is None:
             victim.kill()
     assert not (victim_dir / "summary.json").exists()
-    resumed = subprocess.run([*cmd, "--ckpt_path", "last"], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the resume runs in this process (cli.main, what train.py calls)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert train_2(victim_dir, *rounds, "--ckpt_path", "last") == 0
+    capsys.readouterr()
 
     deadline = time.monotonic() + 60
     while not (runs := offline_runs(victim_dir))[-1].exited and time.monotonic() < deadline:
@@ -268,6 +280,7 @@ def test_a_killed_run_resumes_into_one_wandb_run_and_a_complete_metrics_csv(tmp_
     assert [row["trainer/global_step"] for row in runs[-1].history if "val/acc_mean" in row][-1] == 11
 
     full = tmp_path / "full"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
     assert train_2(full, *rounds) == 0  # the same run, never interrupted (W&B disabled)
     for key in ("val/acc_mean", "val/acc_std", "train/loss"):
         got, want = per_step(victim_dir / "metrics.csv", key), per_step(full / "metrics.csv", key)

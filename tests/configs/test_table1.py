@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -130,17 +128,18 @@ def test_fedrep_end_to_end_through_train(tmp_path, column):
 
 
 @pytest.mark.slow
-def test_missing_data_is_one_line_error_through_train(tmp_path):
+def test_missing_data_is_one_line_error_through_train(tmp_path, monkeypatch, capsys):
+    """In this process (``cli.main``, what train.py calls; tests/cli/test_cli.py checks train.py's own exit code)."""
     method = tmp_path / "fedrep.yaml"
     method.write_text("model:\n  algorithm:\n    class_path: fl_lightning.algorithms.FedRep\n")
-    out = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/table1/cifar100_100x5.yaml", "--config", str(method),
-         "--data.init_args.data_dir", str(tmp_path / "absent"), "--run_dir", str(tmp_path / "run")],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, timeout=120,
-    )  # fmt: skip
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
+    code = cli_main(["--config", "configs/table1/cifar100_100x5.yaml", "--config", str(method),
+                     "--data.init_args.data_dir", str(tmp_path / "absent"), "--run_dir", str(tmp_path / "run")])
+    stderr = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in stderr
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1
     assert "cifar-100-python" in errors[0] and "download: true" in errors[0]
 

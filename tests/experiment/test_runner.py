@@ -6,7 +6,9 @@ and parsed.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import signal
@@ -143,11 +145,26 @@ def last10_from_csv(run_dir: Path) -> float:
     return sum(values) / len(values)
 
 
-def test_run_then_rerun_skips_and_compare_matches_the_metrics_csv(tmp_path, capsys):
-    path = write_experiment(tmp_path, tiny())
-    runs = tmp_path / "runs"
-    assert main(["run", str(path), "--runs-dir", str(runs)]) == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory) -> tuple[Path, Path, int, str]:
+    """The tiny grid (2 methods × 2 seeds, 3 rounds, batched by default: a child process per method) run once with
+    W&B offline, shared by the run/rerun/compare checks and the W&B checks below (two child processes, not four).
+    Returns the experiment file, the runs folder, the exit code and what the runner printed."""
+    folder = tmp_path_factory.mktemp("tiny_grid")
+    data = tiny()
+    del data["wandb"]  # the default: online when logged in, offline otherwise (here WANDB_MODE=offline)
+    path = write_experiment(folder, data)
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        code = main(["run", str(path), "--runs-dir", str(folder / "runs")])
+    return path, folder / "runs", code, out.getvalue()
+
+
+def test_run_then_rerun_skips_and_compare_matches_the_metrics_csv(tiny_grid, tmp_path, capsys):
+    path, runs, code, out = tiny_grid
+    assert code == 0
     assert out.strip().splitlines()[-1] == f"results: {runs / 'tiny' / 'results.json'}"
     assert "mean ± std" in out and "%" in out
     dirs = {m: [runs / "tiny" / m / "digits" / f"s{s}" for s in (0, 1)] for m in ("fedavg", "fedrep")}
@@ -225,8 +242,13 @@ def test_interrupt_then_rerun_finishes_only_the_unfinished_runs(tmp_path):
     assert not (second / "summary.json").exists() or "interrupted" in (second / "train.log").read_text()
     stamp = (first / "summary.json").stat().st_mtime_ns
 
-    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    # the same command again, in this process (the interrupted one had to be another process)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    finally:
+        os.chdir(cwd)
     assert (first / "summary.json").stat().st_mtime_ns == stamp  # not redone
     assert (first / "train.log").read_text().count("====") == 1
     log = (second / "train.log").read_text()
@@ -322,17 +344,12 @@ def test_train_py_accepts_the_arguments_a_sweep_agent_sends():
                 assert node == value, (path.name, key)
 
 
-def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tmp_path, monkeypatch, capsys):
+def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tiny_grid):
     from fl_lightning.experiment.wandb_files import offline_runs
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    data = tiny(rounds=2)
-    del data["wandb"]  # the default: online when logged in, offline otherwise (here WANDB_MODE=offline)
-    path = write_experiment(tmp_path, data)
-    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
-    capsys.readouterr()
-    runs = offline_runs(tmp_path / "runs", wait_s=60)
+    _, runs_dir, code, _ = tiny_grid
+    assert code == 0
+    runs = offline_runs(runs_dir, wait_s=60)
     assert len(runs) == 4 and len({r.id for r in runs}) == 4
     assert sorted(r.name for r in runs) == ["fedavg-digits-s0", "fedavg-digits-s1", "fedrep-digits-s0",
                                             "fedrep-digits-s1"]  # fmt: skip
@@ -345,30 +362,24 @@ def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tmp_path, mon
         assert r.config["data"]["init_args"]["num_clients"] == 20
         assert r.config["model"]["algorithm"]["class_path"].endswith({"fedavg": "FedAvg", "fedrep": "FedRep"}[method])
         assert r.config["model"]["network"]["class_path"] == "fl_lightning.models.DigitsMLP"
-        assert r.config["trainer"]["max_steps"] == 2 and r.config["seed_everything"] == int(seed[1:])
-        run_dir = tmp_path / "runs" / "tiny" / method / "digits" / seed
+        assert r.config["trainer"]["max_steps"] == 3 and r.config["seed_everything"] == int(seed[1:])
+        run_dir = runs_dir / "tiny" / method / "digits" / seed
         assert r.files[0].is_relative_to(run_dir)  # the W&B files live in the run's own dir
         final = json.loads((run_dir / "summary.json").read_text())["final"]
         assert r.summary["val/acc_mean"] == pytest.approx(final, abs=1e-6)
 
 
 @pytest.mark.slow
-def test_jobs_runs_workers_with_a_log_each(tmp_path, capsys):
-    data = tiny(rounds=2)
-    data["axes"]["method"] = {"fedavg": f"{DIGITS}/fedavg.yaml"}
-    path = write_experiment(tmp_path, data)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(["run", str(path), "--jobs", "2"]) == 0
-    finally:
-        os.chdir(cwd)
-    out = capsys.readouterr().out
-    assert "| fedavg" in out
+def test_jobs_runs_workers_with_a_log_each(worker_grid):
+    """FedRep × 2 seeds, ``--jobs 2``, from a folder with the default runs dir (tests/experiment/conftest.py;
+    test_batch_runs.py reads the same run)."""
+    folder, code, out, _ = worker_grid
+    assert code == 0
+    assert "| fedrep" in out
     for seed in (0, 1):
-        run_dir = tmp_path / "runs" / "tiny" / "fedavg" / "digits" / f"s{seed}"
+        run_dir = folder / "runs" / "workers" / "fedrep" / f"s{seed}"
         log = (run_dir / "train.log").read_text()
-        assert "run: runs/tiny/fedavg/digits" in log and "FedAvg" in log  # train.py's own result table
+        assert "run: runs/workers/fedrep" in log and "FedRep" in log  # train.py's own result table
         assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 

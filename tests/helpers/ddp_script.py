@@ -1,6 +1,10 @@
 """Run a few short federated fits with N CPU processes and save what rank 0 ends with (used by test_distributed).
 
-usage: python tests/helpers/ddp_script.py DEVICES OUT.pt
+usage: python tests/helpers/ddp_script.py DEVICES OUT.pt [TRAIN.json]
+
+TRAIN.json (optional) maps names to ``train.py`` argument lists (each with its own ``--run_dir``): after the fits
+above, each runs through ``cli.main`` (what train.py calls) on the same DEVICES, in the same launch (the launcher
+starts the other ranks once per process, not once per fit).
 
 Besides each run's history, model and client bank it records what crossed between the processes: the tensors
 DDP broadcast (by storage), the size of each round's sum-all-reduce and of the state rows each rank sent.
@@ -84,6 +88,20 @@ def watch(strategy) -> tuple[list[int], list[tuple[int, ...]]]:
     return reduced, gathered
 
 
+def train_runs(devices: int, spec_path: str) -> None:
+    """Each ``train.py`` argument list of the JSON file through ``cli.main`` on ``devices`` CPU processes."""
+    import json
+
+    from fl_lightning.cli import main as cli_main
+
+    strategy = ["--trainer.strategy", "ddp"] if devices > 1 else []
+    for args in json.loads(open(spec_path).read()).values():
+        code = cli_main([*args, "--trainer.accelerator", "cpu", "--trainer.devices", str(devices), *strategy,
+                         "--trainer.enable_progress_bar", "false"])  # fmt: skip
+        if code != 0:
+            raise SystemExit(f"train.py {' '.join(args)} exited with {code}")
+
+
 def main(devices: int, out_path: str) -> None:
     torch.set_num_threads(1)
     results = {}
@@ -125,3 +143,5 @@ def main(devices: int, out_path: str) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2])
+    if len(sys.argv) > 3:
+        train_runs(int(sys.argv[1]), sys.argv[3])

@@ -3,6 +3,8 @@ spec methods under 2-process train.py runs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from fl_lightning.cli import main
 from fl_lightning.engine.aggregation import assign_clients
 from tests.experiments.test_lowrank_mf import SMALL_SYNTHETIC_ARGS
 from tests.experiments.test_mixed_regression import SMALL_FEDMD_ARGS
@@ -19,10 +23,13 @@ from tests.helpers.asserts import assert_close_finite
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 
-def run(devices: int, out: Path) -> dict:
+def run(devices: int, out: Path, train: Path) -> dict:
+    """``ddp_script.py DEVICES OUT TRAIN``: its fits, then the train.py runs of ``train`` (a JSON file), in one launch
+    of ``devices`` processes (two interpreter starts for everything)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(HELPERS / "ddp_script.py"), str(devices), str(out)],
+        [sys.executable, str(HELPERS / "ddp_script.py"), str(devices), str(out), str(train)],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -32,10 +39,36 @@ def run(devices: int, out: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def run_here(out: Path) -> dict:
+    """``ddp_script.py 1 OUT`` in this process (one process needs no launcher): the script patches DDP's broadcast
+    and the conv policy table, both restored afterwards."""
+    import fl_lightning.engine.stacked as stacked
+
+    broadcast, conv = torch.distributed._broadcast_coalesced, dict(stacked.CONV_CLIENTS)
+    try:
+        from tests.helpers import ddp_script
+
+        ddp_script.main(1, str(out))
+    finally:
+        torch.distributed._broadcast_coalesced = broadcast
+        stacked.CONV_CLIENTS.clear()
+        stacked.CONV_CLIENTS.update(conv)
+    return torch.load(out, weights_only=False)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launch(tmp_path_factory) -> tuple[dict, Path]:
+    """The one 2-process launch: ddp_script's fits and the spec runs of ``TRAIN_RUNS`` (their run dirs under the
+    returned folder)."""
     tmp = tmp_path_factory.mktemp("ddp")
-    return run(1, tmp / "one.pt"), run(2, tmp / "two.pt")
+    spec = {name: [*args, "--run_dir", str(tmp / name)] for name, args in TRAIN_RUNS.items()}
+    (tmp / "train.json").write_text(json.dumps(spec))
+    return run(2, tmp / "two.pt", tmp / "train.json"), tmp
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launch):
+    return run_here(tmp_path_factory.mktemp("ddp_one") / "one.pt"), launch[0]
 
 
 @pytest.mark.slow  # DDP in subprocesses: out of mutmut's per-function test selection
@@ -106,30 +139,32 @@ LINEAR = [
 ]
 
 
-def final_state(args: list[str], devices: int, run_dir: Path) -> dict[str, torch.Tensor]:
-    strategy = ["--trainer.strategy", "ddp"] if devices > 1 else []
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, "--trainer.accelerator", "cpu"]
-    cmd += [
-        "--trainer.devices",
-        str(devices),
-        *strategy,
-        "--run_dir",
-        str(run_dir),
-        "--trainer.enable_progress_bar",
-        "false",
-    ]
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+TRAIN_RUNS = {"mixed_regression": MIXED, "lowrank_mf": LOWRANK, "linear_population_float64": LINEAR}
+
+
+def final_state(args: list[str], run_dir: Path) -> dict[str, torch.Tensor]:
+    """train.py ARGS on one process, here (``cli.main``, what train.py calls): the last checkpoint's state."""
+    args = [*args, "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--run_dir", str(run_dir)]
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        with contextlib.chdir(ROOT):
+            assert main([*args, "--trainer.enable_progress_bar", "false"]) == 0
+    finally:
+        sys.argv = argv
+    return last_state(run_dir)
+
+
+def last_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")["state_dict"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name,args", [("mixed_regression", MIXED), ("lowrank_mf", LOWRANK), ("linear_population_float64", LINEAR)]
-)
-def test_two_processes_match_one(name, args, tmp_path):
-    one, two = final_state(args, 1, tmp_path / "one"), final_state(args, 2, tmp_path / "two")
+@pytest.mark.parametrize("name", list(TRAIN_RUNS))
+def test_two_processes_match_one(name, tmp_path, launch):
+    """The 2-process run comes from the module's one launch (ddp_script.py calling cli.main, as train.py does)."""
+    one, two = final_state(TRAIN_RUNS[name], tmp_path / "one"), last_state(launch[1] / name)
+    trainer = yaml.safe_load((launch[1] / name / "config.yaml").read_text())["trainer"]
+    assert str(trainer["devices"]) == "2" and trainer["strategy"] == "ddp"  # the launch's own 2 processes
     assert one.keys() == two.keys()
     assert any(k.startswith("bank.") for k in one) or name == "linear_population_float64"  # FedAvg: no client state
     if name == "linear_population_float64":
