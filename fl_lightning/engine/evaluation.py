@@ -320,8 +320,8 @@ def class_shares(module: Module, split: str) -> dict[str, float]:
             predicted += torch.bincount(out.argmax(-1), minlength=fed.num_classes)
         labels += torch.bincount(y, minlength=fed.num_classes)
     net.train(was_training)
-    if world > 1:
-        predicted, labels = (trainer.strategy.reduce(t, reduce_op="sum") for t in (predicted, labels))
+    if world > 1:  # one sum over the processes of both histograms
+        predicted, labels = trainer.strategy.reduce(torch.cat([predicted, labels]), reduce_op="sum").chunk(2)
     total = max(int(labels.sum()), 1)
     top_predicted, top_label = int(predicted.max()) / total, int(labels.max()) / total
     return {"top_class_share": top_predicted, "label_top_class_share": top_label}

@@ -97,7 +97,9 @@ def test_ranks_send_no_client_bank_and_only_their_own_clients_rows(runs):
         assert not r["bank_broadcast"], name  # but never the client bank
         # the sum-all-reduce carries the uploads' deltas and the round's counts only, never state rows
         rounds = [n for n in r["reduced"] if n > 1]  # Lightning's own reductions are single numbers
-        assert rounds == [r["upload_numel"] + 8] * 3, (name, r["reduced"])
+        # then, once, the summary's collapse check: the predicted- and true-class counts over each rank's clients'
+        # test rows (2 × 10 digits classes; evaluation.class_shares), never a client's own row
+        assert rounds == [r["upload_numel"] + 8] * 3 + [2 * 10], (name, r["reduced"])
         if r["bank"]:  # state rows: each rank sends at most its own clients' rows (5 per round over 2 ranks)
             assert r["gathered"] and all(shape[0] <= 3 for shape in r["gathered"]), (name, r["gathered"])
         else:
