@@ -73,6 +73,23 @@ def parse_train_args(args: list[str]) -> dict[str, Any]:
     raise RuntimeError("LightningCLI returned without parsing")  # pragma: no cover
 
 
+#: ``train.py`` arguments that only name or seed a run: runs that differ in nothing else parse to the same config
+#: but for the seed (``naming_free``)
+NAMING = ("--seed_everything", "--run_dir", "--wandb.name", "--wandb.group", "--wandb.tags", "--wandb.job_type")
+
+
+def naming_free(args: list[str]) -> tuple[str, ...]:
+    """``args`` without its ``NAMING`` arguments, in either form (``--run_dir=DIR`` or ``--run_dir DIR``): the
+    key under which runs of one grid share a parse."""
+    key, skip = [], False
+    for a in args:
+        if skip or a.split("=", 1)[0] in NAMING:
+            skip = not skip and "=" not in a  # "--run_dir DIR": drop the value too
+            continue
+        key.append(a)
+    return tuple(key)
+
+
 def validate_runs(experiment: Experiment, runs: list[RunSpec]) -> dict[str, dict[str, Any]]:
     """Parse every run (runs that differ only in their seed are parsed once, with a seed check); returns the
     resolved config of each run keyed by its run dir. The first problem is an :class:`ExperimentError`."""
@@ -80,8 +97,7 @@ def validate_runs(experiment: Experiment, runs: list[RunSpec]) -> dict[str, dict
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
     for run in runs:
         args = run.args()
-        key = tuple(a for a in args if not a.startswith(("--seed_everything=", "--run_dir", "--wandb.")))
-        key = tuple(a for a in key if a != str(run.run_dir))
+        key = naming_free(args)
         if key not in cache:
             try:
                 cache[key] = parse_train_args(args)

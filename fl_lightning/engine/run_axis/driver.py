@@ -50,27 +50,19 @@ def parse_config(args: Sequence[str]) -> dict[str, Any]:
     return parse_train_args(list(args))
 
 
-#: arguments that only name or seed a run: runs that differ in nothing else share one parse (``parse_configs``)
-NAMING = ("--seed_everything", "--run_dir", "--wandb.name", "--wandb.group", "--wandb.tags", "--wandb.job_type")
-
-
 def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
-    """``parse_config`` of every argument list, once per distinct list without its ``NAMING`` arguments (a grid's
-    seeds parse once: parsing builds train.py's whole parser). What the batch check reads (algorithm, network,
-    trainer, W&B mode) does not depend on those arguments."""
+    """``parse_config`` of every argument list, once per distinct list without the arguments that only name or
+    seed a run (``experiment.validation.naming_free``: a grid's seeds parse once; parsing builds train.py's whole
+    parser). What the batch check reads (algorithm, network, trainer, W&B mode) does not depend on those."""
+    from fl_lightning.experiment.validation import naming_free
+
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
     out = []
     for args in arg_lists:
-        key, skip = [], False
-        for a in args:
-            name = a.split("=", 1)[0]
-            if skip or name in NAMING:
-                skip = not skip and "=" not in a  # "--run_dir DIR": drop the value too
-                continue
-            key.append(a)
-        if tuple(key) not in cache:
-            cache[tuple(key)] = parse_config(args)
-        out.append(cache[tuple(key)])
+        key = naming_free(list(args))
+        if key not in cache:
+            cache[key] = parse_config(args)
+        out.append(cache[key])
     return out
 
 
