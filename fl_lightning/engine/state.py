@@ -183,10 +183,11 @@ class ClientStateBank(nn.Module):
             return {n: self.row(n)[clients] for n in self.names}
         ids = clients.cpu()
         fresh = ~self.written[ids]
+        any_fresh = bool(fresh.any())
         device, out = self.device, {}
         for n in self.names:
             rows = self._stores[n][ids]
-            if bool(fresh.any()):
+            if any_fresh:
                 rows[fresh] = self.template(n).to("cpu", rows.dtype)
             out[n] = rows.pin_memory().to(device, non_blocking=True) if self.pinned else rows.to(device)
         return out
