@@ -167,6 +167,7 @@ class PrivacyEngine(nn.Module):
         self._pld: tuple[int, Any] | None = None
         self._below: list[Tensor] = []
         self.stopped = ""  #: why training stopped early (the budget), else ''
+        self._last_epsilon: tuple[int, float, float] | None = None  #: (rounds, σ, ε) of the last ``epsilon``
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     def setup(self, trainer: Any, datamodule: Any) -> None:
@@ -187,7 +188,7 @@ class PrivacyEngine(nn.Module):
         if cfg.adaptive_clip is not None:
             given = cfg.adaptive_clip.count_noise_multiplier
             self.count_sigma = float(given) if given is not None else cohort / 20
-        self._per_round, self._pld = None, None
+        self._per_round, self._pld, self._last_epsilon = None, None, None
         if cfg.target_epsilon is not None:
             if not rounds or rounds < 1:
                 raise ConfigError("model.privacy.target_epsilon needs trainer.max_steps (the planned rounds) ≥ 1")
@@ -293,7 +294,13 @@ class PrivacyEngine(nn.Module):
 
     # ---- accounting --------------------------------------------------------------------------------------------
     def epsilon(self, rounds: int) -> float:
-        """ε at δ after ``rounds`` rounds (the library's accountant; per client under local DP)."""
+        """ε at δ after ``rounds`` rounds (the library's accountant; per client under local DP). The last answer is
+        kept: the budget check before a round and the log after it ask for the same ``rounds``."""
+        if self._last_epsilon is None or self._last_epsilon[:2] != (rounds, self.sigma):
+            self._last_epsilon = (rounds, self.sigma, self._epsilon(rounds))
+        return self._last_epsilon[2]
+
+    def _epsilon(self, rounds: int) -> float:
         import dp_accounting as dp
 
         cfg = self.config
