@@ -3,9 +3,8 @@
 Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
 (``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs that
 can share a process (the same algorithm class and network, one process per run: the seeds of a method, its
-hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``, a child
-process), at most
-``batch_runs`` at a time (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
+hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``: in this
+process with ``jobs=1``, a child process per job with ``jobs>1``), at most ``batch_runs`` at a time (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
 the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis
 labels and the command. A run dir is
 
@@ -303,8 +302,41 @@ def batch_groups(
     return jobs
 
 
-#: a batched job is one child process of the run axis (``python -m fl_lightning.engine.run_axis --runs FILE``)
+#: with ``jobs>1`` a batched job is one child process of the run axis (``python -m fl_lightning.engine.run_axis
+#: --runs FILE``); with ``jobs=1`` it runs in this process (``run_batch_in_process``), as single runs do
 BATCH_COMMAND = [sys.executable, "-m", "fl_lightning.engine.run_axis", "--runs"]
+
+
+def batch_results(runs: list[RunSpec], results: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(status, one-line error) per run of a finished batched job: done when its summary exists."""
+    if any(status == "interrupted" for status, _ in results):
+        return [("interrupted", "interrupted")] * len(runs)
+    return [
+        ("done", "")
+        if (r.run_dir / "summary.json").is_file()
+        else ("failed", last_error_line(r.run_dir / "train.log") or error or "no summary.json")
+        for r, (_, error) in zip(runs, results)
+    ]
+
+
+def run_batch_in_process(
+    runs: list[RunSpec], arg_lists: list[list[str]], configs: list[dict[str, Any] | None]
+) -> list[tuple[str, str]]:
+    """``runs`` as one batched job in this process (``run_axis.BatchedRuns``, each run printing to its own
+    ``train.log``): no second interpreter to start and no second parse of configs the runner already resolved
+    and grouped (``batch_groups``)."""
+    from fl_lightning.engine.run_axis.driver import BatchedRuns
+
+    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
+    try:
+        known = None if any(c is None for c in configs) else configs
+        job = BatchedRuns(arg_lists, [r.wandb_name for r in runs], logs=[r.run_dir / "train.log" for r in runs],
+                          configs=known)  # fmt: skip
+        outcomes = job.run()
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as run_in_process
+    return batch_results(runs, [(o.status, o.error) for o in outcomes])
 
 
 def run_batch(workers: Workers, runs: list[RunSpec], arg_lists: list[list[str]], folder: Path) -> list[tuple[str, str]]:
@@ -315,14 +347,7 @@ def run_batch(workers: Workers, runs: list[RunSpec], arg_lists: list[list[str]],
     jobs = [{"args": a, "name": r.wandb_name, "log": str(r.run_dir / "train.log")} for r, a in zip(runs, arg_lists)]
     spec.write_text(json.dumps(jobs, indent=1))
     status, error = workers.run([str(spec)], spec.with_suffix(".log"), BATCH_COMMAND)
-    if status == "interrupted":
-        return [(status, error)] * len(runs)
-    return [
-        ("done", "")
-        if (r.run_dir / "summary.json").is_file()
-        else ("failed", last_error_line(r.run_dir / "train.log") or error or "no summary.json")
-        for r in runs
-    ]
+    return batch_results(runs, [(status, error)] * len(runs))
 
 
 def execute(
@@ -387,18 +412,14 @@ def execute(
     interrupted = False
     try:
         if jobs <= 1:
-            batch_worker = Workers(1)
             for unit in units:
                 announce(unit)
                 start = time.perf_counter()
                 if len(unit) == 1:
                     results = [run_in_process(todo[unit[0]][0], runs[unit[0]].run_dir / "train.log")]
                 else:
-                    try:
-                        results = run_batch(batch_worker, [runs[i] for i in unit], [todo[i][0] for i in unit], batches)
-                    except KeyboardInterrupt:
-                        batch_worker.stop()  # Ctrl-C reaches the job too: each run keeps its last checkpoint
-                        raise
+                    results = run_batch_in_process([runs[i] for i in unit], [todo[i][0] for i in unit],
+                                                   [resolved[i] for i in unit])  # fmt: skip
                 seconds = time.perf_counter() - start
                 interrupted = any(status == "interrupted" for status, _ in results)
                 for i, (status, error) in zip(unit, results):

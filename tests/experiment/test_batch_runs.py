@@ -175,9 +175,8 @@ def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path, mo
     assert "run the same command again" in err and "[batch]" in err
     assert not any((d / "summary.json").exists() for d in dirs)
 
-    # the same command again, in this process (the interrupted one had to be another process; the batch is a child)
+    # the same command again, in this process (the interrupted one had to be another process, to send it SIGINT)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the job's child process imports this checkout, as above
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
     for d in dirs:
         log = (d / "train.log").read_text()

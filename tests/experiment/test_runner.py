@@ -147,8 +147,8 @@ def last10_from_csv(run_dir: Path) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_grid(tmp_path_factory) -> tuple[Path, Path, int, str]:
-    """The tiny grid (2 methods × 2 seeds, 3 rounds, batched by default: a child process per method) run once with
-    W&B offline, shared by the run/rerun/compare checks and the W&B checks below (two child processes, not four).
+    """The tiny grid (2 methods × 2 seeds, 3 rounds, batched by default: one job per method, in process) run once with
+    W&B offline, shared by the run/rerun/compare checks and the W&B checks below (two batched jobs, not four runs).
     Returns the experiment file, the runs folder, the exit code and what the runner printed."""
     folder = tmp_path_factory.mktemp("tiny_grid")
     data = tiny()

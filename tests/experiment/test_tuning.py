@@ -90,7 +90,7 @@ def test_winner_is_the_best_validation_mean_and_tuning_never_reads_test(tmp_path
     monkeypatch.setattr(runner, "run_in_process", spy_run)
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(tuned()))
-    # one run per process call (batch 1) so that the spies see every run: batched jobs are child processes
+    # one run per call (batch 1) so that the spy knows which run reads which split: a batched job runs many at once
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs"), "--batch-runs", "1"]) == 0
 
     out = tmp_path / "runs" / "tuned"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -130,17 +131,20 @@ class BatchedRuns:
         check: bool = True,
         before_fit: Callable[[int, Any], None] | None = None,
         logs: Sequence[str | Path] | None = None,
+        configs: Sequence[dict[str, Any]] | None = None,
     ) -> None:
         if not arg_lists:
             raise ConfigError("a batched job needs at least one run")
         self.arg_lists = [list(a) for a in arg_lists]
         self.names = list(names or [f"run {i}" for i in range(len(self.arg_lists))])
-        self.configs = parse_configs(self.arg_lists) if check else []
+        #: the runs' resolved configs (``parse_config``; given by a caller that parsed them already)
+        self.configs = list(configs) if configs is not None else parse_configs(self.arg_lists) if check else []
         if check:
             check_batchable(self.configs, self.names)
         self.lockstep = Lockstep()
         self.pool = RowPool()
         self.outcomes = [RunOutcome(a) for a in self.arg_lists]
+        self._ended = [False] * len(self.arg_lists)  #: each run's thread has finished (set last, in the thread)
         self.modules: list[Any] = [None] * len(self.arg_lists)
         self._before_fit = before_fit
         self.log_paths = [Path(p) for p in logs] if logs is not None else None  #: each run's console, if given
@@ -158,18 +162,32 @@ class BatchedRuns:
         try:
             for t in threads:
                 t.start()
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)
+            self._wait_for_runs()
         except KeyboardInterrupt:
             self.lockstep.stop()
-            for t in threads:
-                t.join()
+            for i, t in enumerate(threads):
+                if t.ident is None:  # interrupted before it started
+                    self._ended[i], self.outcomes[i].status = True, "interrupted"
+            self._wait_for_runs(interruptible=False)
         finally:
+            for t in threads:
+                if t.ident is not None:
+                    t.join()  # it has ended: setting its flag was its last step
             self.lockstep.restore_output()
             for f in self._files:
                 f.close()
         return self.outcomes
+
+    def _wait_for_runs(self, interruptible: bool = True) -> None:
+        """Until every run's thread has ended. It polls its own flags: ``Thread.join`` interrupted by Ctrl-C marks
+        a live thread as stopped (CPython bpo-45274 handling up to 3.12), and the interpreter would then exit under
+        a running run. After a stop, further Ctrl-C are ignored here (each run stops at its next step)."""
+        while not all(self._ended):
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                if interruptible:
+                    raise
 
     def _join(self, i: int, cli: Any) -> None:
         """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep."""
@@ -184,11 +202,17 @@ class BatchedRuns:
             self._before_fit(i, cli)
 
     def _thread(self, i: int) -> None:
+        outcome = self.outcomes[i]
+        try:
+            self._run_thread(i, outcome)
+        finally:
+            self._ended[i] = True  # after the lockstep's lock is released: the main thread may go on
+
+    def _run_thread(self, i: int, outcome: RunOutcome) -> None:
         from fl_lightning import cli
         from fl_lightning.engine.module import TrainingDiverged
         from fl_lightning.errors import one_line
 
-        outcome = self.outcomes[i]
         with self.lockstep.lock:
             if self._files:
                 self.lockstep.logs[threading.get_ident()] = self._files[i]
