@@ -4,7 +4,8 @@ Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in thi
 (``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs that
 can share a process (the same algorithm class and network, one process per run: the seeds of a method, its
 hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``: in this
-process with ``jobs=1``, a child process per job with ``jobs>1``), at most ``batch_runs`` at a time (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
+process with ``jobs=1``, a child process per job with ``jobs>1``), at most ``batch_runs`` at a time
+(``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
 the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis
 labels and the command. A run dir is
 
