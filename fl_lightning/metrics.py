@@ -23,7 +23,10 @@ class PerClientScores(Metric):
         self.add_state("total", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("loss_sum", torch.zeros(num_clients, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, client: int, correct: Tensor | float, total: int, loss_sum: Tensor | float) -> None:
+    def update(
+        self, client: int | Tensor, correct: Tensor | float, total: int | Tensor, loss_sum: Tensor | float
+    ) -> None:
+        """One client's sums, or several clients' (``client`` a tensor of distinct ids, the sums ``[K]``)."""
         self.correct[client] += correct
         self.total[client] += total
         self.loss_sum[client] += loss_sum

@@ -28,7 +28,7 @@ from fl_lightning.client import Params, make_generator
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.executor import Workload, choose_path, client_context, vector_context
 from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks, floyd_sample
-from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, stack
+from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, has_rnn, stack, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
@@ -226,6 +226,8 @@ def evaluate_clients(
     with torch.inference_mode(False), torch.enable_grad():
         if shared_body_applies(module, finetune, len(clients)):
             _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split)
+        elif stacked_scoring_applies(module, finetune, len(clients)):
+            _score_stacked(module, clients, glob, state_of, scores, split)
         else:
             for c in clients:
                 params = algorithm.client_model(glob, state_of(c))
@@ -361,6 +363,83 @@ def shared_body_applies(module: Module, finetune: FineTune | None, clients: int 
         and kind.predict is Algorithm.predict
         and kind.finetune is Algorithm.finetune
     )
+
+
+#: the stacked scoring pads every client of a group to the group's largest split: at most this many rows at once
+STACKED_ROWS = 8192
+
+
+def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
+    """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward
+    (``_score_stacked``) when the executor choice stacks ``clients`` evaluating at once and nothing runs per client
+    before the forward: no "+FT", no evaluation-time adaptation, the network's own forward as prediction, a
+    classification task, no side branch and no recurrent layer (BatchNorm is refused by ``choose_path``)."""
+    kind, net = type(module.algorithm), module.net
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))
+    return (
+        finetune is None
+        and module.fed.num_classes is not None
+        and module.fed.side is None
+        and getattr(net, "side", None) is None
+        and not has_rnn(net)
+        and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
+        and kind.predict is Algorithm.predict
+        and choose_path(module.algorithm, net, device, Workload(clients, evaluation=True), module.executor).stacked
+    )
+
+
+@torch.no_grad()
+def _score_stacked(
+    module: Module, clients: list[int], glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
+    split: str,
+) -> None:  # fmt: skip
+    """``score_client`` for many clients at once: their splits padded to one ``[K, n, ...]`` tensor, each client's
+    model stacked (``stacked_forward`` for Linear networks, else ``vmap`` of the forward), the padding masked out of
+    the correct count and the summed cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone
+    (``score_client``'s slices); one without rows scores nothing, as there."""
+    net, algorithm, data = module.net, module.algorithm, module.fed.evaluation_split(split)
+    net.eval()
+    pairs = {c: data.client(c) for c in clients}
+    group: list[int] = []
+    for c in clients:
+        n = pairs[c][0].shape[0]
+        if n == 0:
+            continue
+        if n > STACKED_ROWS // 2:
+            params = algorithm.client_model(glob, state_of(c))
+            scores.update(c, *score_client(net, module.fed, c, params, split, algorithm.predict))
+            continue
+        widest = max([n] + [pairs[g][0].shape[0] for g in group])
+        if group and (len(group) + 1) * widest > STACKED_ROWS:
+            _score_group(net, algorithm, glob, state_of, scores, group, pairs)
+            group = []
+        group.append(c)
+    if group:
+        _score_group(net, algorithm, glob, state_of, scores, group, pairs)
+
+
+def _score_group(
+    net: nn.Module, algorithm: Algorithm, glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
+    group: list[int], pairs: dict[int, tuple[Tensor, Tensor]],
+) -> None:  # fmt: skip
+    sizes = [pairs[c][0].shape[0] for c in group]
+    width = max(sizes)
+    x0, y0 = pairs[group[0]]
+    x = x0.new_zeros((len(group), width, *x0.shape[1:]))
+    y = y0.new_zeros((len(group), width))
+    for k, c in enumerate(group):
+        x[k, : sizes[k]], y[k, : sizes[k]] = pairs[c]
+    params = stack([algorithm.client_model(glob, state_of(c)) for c in group])
+    if stackable(net):
+        out = stacked_forward(net, params, x)
+    else:
+        out = torch.func.vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
+    n = torch.tensor(sizes, device=x.device)
+    mask = torch.arange(width, device=x.device) < n.unsqueeze(1)
+    per_sample = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="none")
+    loss = (per_sample.view(len(group), width) * mask).sum(1)
+    correct = ((out.argmax(-1) == y) & mask).sum(1)
+    scores.update(torch.tensor(group, device=x.device), correct, n, loss)
 
 
 @torch.no_grad()

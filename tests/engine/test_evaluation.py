@@ -607,3 +607,75 @@ def test_evaluate_all_scores_every_client_in_chunks(monkeypatch: pytest.MonkeyPa
     scores = module.evaluate_clients(0)
     assert [len(c) for c in calls] == [7, 7, 6] and sorted(sum(calls, [])) == list(range(20))
     assert int((scores["samples_per_client"] > 0).sum()) == 20
+
+
+# ---- stacked scoring: every client's own model in one forward (issue 32) ---------------------------------------------
+STACKED_TEST_SIZES = [3, 0, 7, 2, 12, 5]  # an empty client, and one above the group cap of the test (16 // 2 rows)
+
+
+def _stacked_module(layer_norm: bool, executor: str = "vectorized") -> FederatedModule:
+    gen = torch.Generator().manual_seed(5)
+    sizes = STACKED_TEST_SIZES
+    fed = FederatedData(_split([4] * len(sizes), gen), _split(sizes, gen), 3, seed=SEED)
+    torch.manual_seed(1)
+    body = [nn.Linear(4, 5), *([nn.LayerNorm(5)] if layer_norm else []), nn.Tanh()]
+    net = SplitModel(nn.Sequential(*body), nn.Linear(5, 3)).double()
+    module = FederatedModule(FedAvg(1, personal=("body.", "head.")), net, executor=executor)
+    module.attach_data(fed)
+    return module
+
+
+def _own_models(module: FederatedModule) -> list[Params_2]:
+    """Every client's whole model: the global one shifted by a client-specific amount."""
+    gen = torch.Generator().manual_seed(9)
+    glob = module.global_params()
+    return [{n: v + 0.3 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for n, v in glob.items()}
+            for _ in STACKED_TEST_SIZES]  # fmt: skip
+
+
+def _hand_forward(p: Params_2, x: Tensor, layer_norm: bool) -> Tensor:
+    h = x @ p["body.0.weight"].T + p["body.0.bias"]
+    if layer_norm:
+        h = F.layer_norm(h, (5,), p["body.1.weight"], p["body.1.bias"])
+    return torch.tanh(h) @ p["head.weight"].T + p["head.bias"]
+
+
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["linear_stacked_forward", "layernorm_vmap"])
+def test_stacked_scoring_equals_each_client_scored_alone_by_hand(monkeypatch: pytest.MonkeyPatch, layer_norm: bool):
+    """Uneven test splits (3, 0, 7, 2, 12, 5 rows) padded into groups of at most 16 rows: the 12-row client is scored
+    alone, the empty one not at all; every client's (correct, samples, summed loss) equals its own model's forward by
+    hand, for a Linear network (``stacked_forward``) and one with a LayerNorm (``vmap``)."""
+    monkeypatch.setattr(evaluation, "STACKED_ROWS", 16)
+    groups: list[list[int]] = []
+    real_group = evaluation._score_group
+    monkeypatch.setattr(evaluation, "_score_group", lambda *a: (groups.append(list(a[5])), real_group(*a))[1])
+    module = _stacked_module(layer_norm)
+    models = _own_models(module)
+    scores = PerClientScores(len(STACKED_TEST_SIZES))
+    clients = list(range(len(STACKED_TEST_SIZES)))
+    assert evaluation.stacked_scoring_applies(module, None, len(clients))
+    evaluation.evaluate_clients(module, clients, ROUND, scores, state_of=lambda c: models[c])
+    assert groups == [[0, 2], [3, 5]]  # 2 × 7 ≤ 16, then 3 × 7 > 16; client 4 alone, client 1 empty
+    for c in clients:
+        x, y = module.fed.test.client(c)
+        out = _hand_forward(models[c], x, layer_norm)
+        assert scores.total[c] == x.shape[0]
+        assert scores.correct[c] == float((out.argmax(1) == y).sum())
+        expected = float(F.cross_entropy(out.float(), y, reduction="sum")) if x.shape[0] else 0.0
+        assert float(scores.loss_sum[c]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_stacked_scoring_applies_only_where_nothing_runs_per_client_before_the_forward() -> None:
+    module = _stacked_module(False)
+    assert evaluation.stacked_scoring_applies(module, None, 6)
+    auto = _stacked_module(False, executor="auto")
+    assert evaluation.stacked_scoring_applies(auto, None, 6)
+    assert not evaluation.stacked_scoring_applies(auto, None, 1)  # auto: the loop is faster for one client on the CPU
+    assert not evaluation.stacked_scoring_applies(module, FineTune(epochs=1), 6)
+    assert not evaluation.stacked_scoring_applies(_stacked_module(False, executor="sequential"), None, 6)
+    for algorithm in (_ScaledPredict(1, personal=("head.",)), _RecordingAdapt()):
+        module.algorithm = algorithm
+        assert not evaluation.stacked_scoring_applies(module, None, 6)
+    module.algorithm = FedAvg(1)
+    module.fed.num_classes = None  # regression: scored client by client
+    assert not evaluation.stacked_scoring_applies(module, None, 6)
