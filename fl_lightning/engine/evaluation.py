@@ -14,6 +14,7 @@ representation the principal-angle distance to the true representation (spec 000
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -388,58 +389,72 @@ def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: 
     )
 
 
+def row_groups(sizes: list[int], cap: int) -> list[list[int]]:
+    """The positions of ``sizes`` (rows per client) in order, grouped so that a group padded to its largest member
+    holds at most ``cap`` rows; a position above ``cap // 2`` rows is a group of its own, one with 0 rows is left
+    out (it has nothing to score)."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    for k, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n > cap // 2:
+            groups.append([k])
+            continue
+        if group and (len(group) + 1) * max(n, *(sizes[g] for g in group)) > cap:
+            groups.append(group)
+            group = []
+        group.append(k)
+    return [*groups, group] if group else groups
+
+
+def _stacked_apply(module: nn.Module, params: Params, x: Tensor) -> Tensor:
+    """``module`` with client ``k``'s parameters on ``x[k]``: ``stacked_forward`` where it applies, else ``vmap``."""
+    if stackable(module):
+        return stacked_forward(module, params, x)
+    return torch.func.vmap(lambda p, xb: functional_call(module, p, (xb,)))(params, x)
+
+
+def _pad(rows: list[Tensor]) -> Tensor:
+    """``[K, n_max, ...]``: each client's rows, zero-padded to the longest."""
+    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
+    for k, r in enumerate(rows):
+        out[k, : r.shape[0]] = r
+    return out
+
+
+def _score_padded(out: Tensor, y: Tensor, sizes: list[int], clients: list[int], scores: PerClientScores) -> None:
+    """``score_outputs`` of every client of a padded group at once (the padding masked out), into ``scores``."""
+    k, width = y.shape
+    n = torch.tensor(sizes, device=y.device)
+    mask = torch.arange(width, device=y.device) < n.unsqueeze(1)
+    per_sample = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="none")
+    loss = (per_sample.view(k, width) * mask).sum(1)
+    correct = ((out.argmax(-1) == y) & mask).sum(1)
+    scores.update(torch.tensor(clients, device=y.device), correct, n, loss)
+
+
 @torch.no_grad()
 def _score_stacked(
     module: Module, clients: list[int], glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
     split: str,
 ) -> None:  # fmt: skip
-    """``score_client`` for many clients at once: their splits padded to one ``[K, n, ...]`` tensor, each client's
-    model stacked (``stacked_forward`` for Linear networks, else ``vmap`` of the forward), the padding masked out of
-    the correct count and the summed cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone
-    (``score_client``'s slices); one without rows scores nothing, as there."""
+    """``score_client`` for many clients at once: their splits padded to one ``[K, n, ...]`` tensor per
+    ``row_groups`` group, each client's model stacked (``_stacked_apply``), the padding masked out of the correct
+    count and the summed cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone
+    (``score_client``'s slices)."""
     net, algorithm, data = module.net, module.algorithm, module.fed.evaluation_split(split)
     net.eval()
-    pairs = {c: data.client(c) for c in clients}
-    group: list[int] = []
-    for c in clients:
-        n = pairs[c][0].shape[0]
-        if n == 0:
+    pairs = [data.client(c) for c in clients]
+    for group in row_groups([x.shape[0] for x, _ in pairs], STACKED_ROWS):
+        ids = [clients[k] for k in group]
+        if len(group) == 1 and pairs[group[0]][0].shape[0] > STACKED_ROWS // 2:
+            params = algorithm.client_model(glob, state_of(ids[0]))
+            scores.update(ids[0], *score_client(net, module.fed, ids[0], params, split, algorithm.predict))
             continue
-        if n > STACKED_ROWS // 2:
-            params = algorithm.client_model(glob, state_of(c))
-            scores.update(c, *score_client(net, module.fed, c, params, split, algorithm.predict))
-            continue
-        widest = max([n] + [pairs[g][0].shape[0] for g in group])
-        if group and (len(group) + 1) * widest > STACKED_ROWS:
-            _score_group(net, algorithm, glob, state_of, scores, group, pairs)
-            group = []
-        group.append(c)
-    if group:
-        _score_group(net, algorithm, glob, state_of, scores, group, pairs)
-
-
-def _score_group(
-    net: nn.Module, algorithm: Algorithm, glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
-    group: list[int], pairs: dict[int, tuple[Tensor, Tensor]],
-) -> None:  # fmt: skip
-    sizes = [pairs[c][0].shape[0] for c in group]
-    width = max(sizes)
-    x0, y0 = pairs[group[0]]
-    x = x0.new_zeros((len(group), width, *x0.shape[1:]))
-    y = y0.new_zeros((len(group), width))
-    for k, c in enumerate(group):
-        x[k, : sizes[k]], y[k, : sizes[k]] = pairs[c]
-    params = stack([algorithm.client_model(glob, state_of(c)) for c in group])
-    if stackable(net):
-        out = stacked_forward(net, params, x)
-    else:
-        out = torch.func.vmap(lambda p, xb: functional_call(net, p, (xb,)))(params, x)
-    n = torch.tensor(sizes, device=x.device)
-    mask = torch.arange(width, device=x.device) < n.unsqueeze(1)
-    per_sample = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="none")
-    loss = (per_sample.view(len(group), width) * mask).sum(1)
-    correct = ((out.argmax(-1) == y) & mask).sum(1)
-    scores.update(torch.tensor(group, device=x.device), correct, n, loss)
+        params = stack([algorithm.client_model(glob, state_of(c)) for c in ids])
+        out = _stacked_apply(net, params, _pad([pairs[k][0] for k in group]))
+        _score_padded(out, _pad([pairs[k][1] for k in group]), [pairs[k][0].shape[0] for k in group], ids, scores)
 
 
 @torch.no_grad()
@@ -453,7 +468,8 @@ def _evaluate_with_shared_body(
     scores: PerClientScores,
     split: str,
 ) -> None:
-    """Features once with the global body for all ``clients``' rows, then each client's head on its rows."""
+    """Features once with the global body for all ``clients``' rows, then every client's head on its rows, the heads
+    of a ``row_groups`` group at once on their clients' padded features (regression: client by client)."""
     net, test = module.net, module.fed.evaluation_split(split)
     heads = [
         {n: v for n, v in module.algorithm.client_model(glob, state_of(c)).items() if n.startswith("head.")}
@@ -472,12 +488,23 @@ def _evaluate_with_shared_body(
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     feats = torch.cat([functional_call(net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
-    start = 0
-    for c, (lo, hi), head in zip(clients, spans, heads):
-        head_params = {n[len("head.") :]: v for n, v in head.items()}
-        out = functional_call(net.head, head_params, (feats[start : start + hi - lo],))
-        scores.update(c, *score_outputs(out, test.y[lo:hi], module.fed.num_classes))
-        start += hi - lo
+    sizes = [hi - lo for lo, hi in spans]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    heads = [{n[len("head.") :]: v for n, v in head.items()} for head in heads]
+    for group in row_groups(sizes, STACKED_ROWS) if module.fed.num_classes is not None else []:
+        if len(group) > 1:  # the group's heads at once on its clients' padded features
+            out = _stacked_apply(net.head, stack([heads[k] for k in group]),
+                                 _pad([feats[starts[k] : starts[k] + sizes[k]] for k in group]))  # fmt: skip
+            ys = _pad([test.y[spans[k][0] : spans[k][1]] for k in group])
+            _score_padded(out, ys, [sizes[k] for k in group], [clients[k] for k in group], scores)
+            continue
+        k = group[0]
+        out = functional_call(net.head, heads[k], (feats[starts[k] : starts[k] + sizes[k]],))
+        scores.update(clients[k], *score_outputs(out, test.y[spans[k][0] : spans[k][1]], module.fed.num_classes))
+    if module.fed.num_classes is None:  # regression: each client's head on its own rows
+        for c, (lo, hi), head, start in zip(clients, spans, heads, starts):
+            out = functional_call(net.head, head, (feats[start : start + hi - lo],))
+            scores.update(c, *score_outputs(out, test.y[lo:hi], module.fed.num_classes))
 
 
 def _finetune_heads(

@@ -643,12 +643,12 @@ def _hand_forward(p: Params_2, x: Tensor, layer_norm: bool) -> Tensor:
 @pytest.mark.parametrize("layer_norm", [False, True], ids=["linear_stacked_forward", "layernorm_vmap"])
 def test_stacked_scoring_equals_each_client_scored_alone_by_hand(monkeypatch: pytest.MonkeyPatch, layer_norm: bool):
     """Uneven test splits (3, 0, 7, 2, 12, 5 rows) padded into groups of at most 16 rows: the 12-row client is scored
-    alone, the empty one not at all; every client's (correct, samples, summed loss) equals its own model's forward by
-    hand, for a Linear network (``stacked_forward``) and one with a LayerNorm (``vmap``)."""
+    alone (``score_client``), the empty one not at all; every client's (correct, samples, summed loss) equals its own
+    model's forward by hand, for a Linear network (``stacked_forward``) and one with a LayerNorm (``vmap``)."""
     monkeypatch.setattr(evaluation, "STACKED_ROWS", 16)
     groups: list[list[int]] = []
-    real_group = evaluation._score_group
-    monkeypatch.setattr(evaluation, "_score_group", lambda *a: (groups.append(list(a[5])), real_group(*a))[1])
+    real_group = evaluation._score_padded
+    monkeypatch.setattr(evaluation, "_score_padded", lambda *a: (groups.append(list(a[3])), real_group(*a))[1])
     module = _stacked_module(layer_norm)
     models = _own_models(module)
     scores = PerClientScores(len(STACKED_TEST_SIZES))
@@ -679,3 +679,43 @@ def test_stacked_scoring_applies_only_where_nothing_runs_per_client_before_the_f
     module.algorithm = FedAvg(1)
     module.fed.num_classes = None  # regression: scored client by client
     assert not evaluation.stacked_scoring_applies(module, None, 6)
+
+
+def test_row_groups_pad_at_most_cap_rows_and_leave_out_empty_clients() -> None:
+    sizes = [3, 0, 7, 2, 12, 5, 8, 1]
+    groups = evaluation.row_groups(sizes, 16)
+    assert groups == [[0, 2], [4], [3, 5], [6, 7]]  # [4]: 12 > 16 // 2 alone; [3, 5, 6] would pad 3 × 8 > 16
+    assert sorted(sum(groups, [])) == [k for k, n in enumerate(sizes) if n]
+    assert all(len(g) * max(sizes[k] for k in g) <= 16 for g in groups)
+
+
+@pytest.mark.parametrize("finetune", [None, FineTune(epochs=1)], ids=["scores", "ft"])
+def test_shared_body_heads_scored_in_groups_equal_each_clients_head_by_hand(
+    monkeypatch: pytest.MonkeyPatch, finetune: FineTune | None
+) -> None:
+    """The shared-body path (FedRep-like: personal heads) with its heads applied a group at a time: every client's
+    numbers equal its own head on the global body's features by hand (the 12-row client alone; "+FT" tunes the
+    heads first, so only the plain case is compared by hand: with "+FT" the groups are checked against the loop)."""
+    monkeypatch.setattr(evaluation, "STACKED_ROWS", 16)
+    module = _stacked_module(False)
+    module.algorithm = FedAvg(1, personal=("head.",))
+    models = _own_models(module)
+    glob = module.global_params()
+    heads = [{n: v for n, v in m.items() if n.startswith("head.")} for m in models]
+    assert shared_body_applies(module, finetune, 6)
+    scores = PerClientScores(6)
+    evaluation.evaluate_clients(module, list(range(6)), ROUND, scores, finetune=finetune, state_of=lambda c: heads[c])
+    if finetune is None:
+        for c in range(6):
+            x, y = module.fed.test.client(c)
+            out = _hand_forward({**glob, **heads[c]}, x, False)
+            assert scores.total[c] == x.shape[0] and scores.correct[c] == float((out.argmax(1) == y).sum())
+            expected = float(F.cross_entropy(out.float(), y, reduction="sum")) if x.shape[0] else 0.0
+            assert float(scores.loss_sum[c]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+        return
+    loop = _stacked_module(False, executor="sequential")
+    loop.algorithm = FedAvg(1, personal=("head.",))
+    expected = PerClientScores(6)
+    evaluation.evaluate_clients(loop, list(range(6)), ROUND, expected, finetune=finetune, state_of=lambda c: heads[c])
+    assert scores.total.tolist() == expected.total.tolist() and scores.correct.tolist() == expected.correct.tolist()
+    assert_close_finite(scores.loss_sum, expected.loss_sum, rtol=1e-5, atol=1e-7)
