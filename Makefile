@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) train.py --config configs/quickstart.yaml --overwrite true
 
+# the suite on 2 processes (pytest-xdist), one torch thread each (tests/conftest.py; the variables below reach the
+# tests' own child processes): a whole test file goes to one process, so a module-scoped fixture (one train.py run
+# shared by a file's checks) runs once. `$(PY) -m pytest tests` runs it serially.
 test: $(STAMP)
-	WANDB_MODE=disabled $(PY) -m pytest tests
+	WANDB_MODE=disabled OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests
 	$(PY) -m ruff check .
 
 lint: $(STAMP)

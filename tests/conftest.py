@@ -12,6 +12,9 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 torch.set_num_threads(1)
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (make test): the tests' child processes one thread each too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")
