@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import fl_lightning.client as client_module
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
@@ -22,6 +23,7 @@ from fl_lightning.client import (
     derive_seed,
     draws_ahead,
     epoch_draws,
+    factory_name,
     load_state,
     loss_fn_for,
     per_client,
@@ -895,3 +897,49 @@ def test_a_fresh_context_lists_its_trainable_names_and_scores_a_batch() -> None:
     logits = hidden @ params["2.weight"].T + params["2.bias"]
     expected = -torch.log_softmax(logits, 1)[torch.arange(5), y].mean()
     assert_close_finite(ctx.batch_loss(params, x, y), expected)
+
+
+BN1D_WARNING = (
+    "BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm cannot train on one sample); "
+    "model.drop_last: true drops every partial minibatch"
+)
+
+
+@pytest.mark.parametrize(
+    ("batchnorm", "samples", "drop_last", "steps", "warned"),
+    [(True, 9, False, 2, True), (True, 8, False, 2, False), (True, 10, False, 3, False), (True, 9, True, 2, False),
+     (False, 9, False, 3, False)],
+)
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(
+    batchnorm: bool, samples: int, drop_last: bool, steps: int, warned: bool,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
+    run says so once; 8 or 10 samples (no batch of one), ``drop_last`` (asked for) or no BatchNorm1d say nothing."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    net = _MLP()
+    net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
+    x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(samples) % 2
+    ctx = client_context(net, x, y, loss=F.cross_entropy,
+                         optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+        ctx.sgd(params, ctx.param_names, epochs=1)
+        ctx.sgd(params, ctx.param_names, epochs=1)
+    assert int(ctx.steps_taken) == steps
+    assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
+
+
+def test_factory_name_names_the_class_a_factory_builds() -> None:
+    """None is the default SGD; a class, a ``partial`` of it, or a LightningCLI-style ``partial(instantiator, cls)``
+    give the class's name; anything else its ``repr``."""
+
+    def instantiate(cls: type, **kwargs: object) -> object:
+        return cls(**kwargs)
+
+    assert factory_name(None) == "SGD"
+    assert factory_name(torch.optim.Adam) == "Adam"
+    assert factory_name(functools.partial(torch.optim.RMSprop, lr=0.1)) == "RMSprop"
+    assert factory_name(functools.partial(instantiate, torch.optim.Adagrad, lr=0.1)) == "Adagrad"
+    assert factory_name("adam") == repr("adam")
