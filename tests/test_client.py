@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -12,22 +13,28 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import fl_lightning.client as client_module
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
     Objective,
     Penalty,
+    derive_seed,
     draws_ahead,
     epoch_draws,
+    factory_name,
     load_state,
     loss_fn_for,
     per_client,
     save_state,
+    state_keys,
     state_name,
     state_template,
     step_limit,
+    steps_per_epoch,
     to_device,
+    warn_once,
 )
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
@@ -779,3 +786,160 @@ def test_to_device_moves_to_the_device_it_is_given(kind: str) -> None:
     to_device(t, device)
     assert t.pinned == (kind == "cuda")
     assert t.moves == [((device,), {"non_blocking": True} if kind == "cuda" else {})]
+
+
+def test_derive_seed_is_a_63_bit_function_of_the_parts() -> None:
+    """Seeds are non-negative 63-bit integers (``manual_seed`` of a signed 64-bit value); about half of all 8-byte
+    digests have their top bit set, so 64 different parts would show a 64-bit seed."""
+    seeds = [derive_seed(7, "train", r, c) for r in range(8) for c in range(8)]
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert len(set(seeds)) == 64
+    assert derive_seed(7, "train", 3, 2) == seeds[3 * 8 + 2]
+
+
+def test_warn_once_warns_the_first_time_a_key_is_seen(caplog: pytest.LogCaptureFixture) -> None:
+    key = f"test-{id(caplog)}"
+    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+        warn_once(key, "first")
+        warn_once(key, "second")
+        warn_once(key + "-other", "third")
+    assert [r.getMessage() for r in caplog.records] == ["first", "third"]
+
+
+def test_min_batch_is_two_only_for_batchnorm1d_networks_and_the_batch_with_drop_last() -> None:
+    """A BatchNorm1d network cannot train on a batch of one sample (min 2); any other network, or none, trains on
+    every batch (min 1); ``drop_last`` keeps only full batches."""
+    bn1d = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    assert ClientOptimizer().min_batch(10, bn1d) == 2
+    assert ClientOptimizer().min_batch(10, nn.Sequential(nn.Linear(3, 4), nn.BatchNorm2d(4))) == 1
+    assert ClientOptimizer().min_batch(10, nn.Linear(3, 4)) == 1
+    assert ClientOptimizer().min_batch(10) == 1
+    assert ClientOptimizer(drop_last=True).min_batch(10, bn1d) == 10
+
+
+def test_steps_per_epoch_and_step_limit_default_to_stepping_on_every_batch() -> None:
+    """Without ``min_batch`` a last batch of one sample is a step: ⌈11 / 5⌉ = 3 per epoch, and a half-budget
+    straggler over 2 epochs gets ⌊0.5 · 2 · 3⌋ = 3 steps."""
+    assert steps_per_epoch(11, 5) == 3
+    assert steps_per_epoch(11, 5, min_batch=2) == 2
+    assert step_limit(0.5, 2, 11, 5, None) == 3
+
+
+class _NotedSGD(torch.optim.SGD):
+    """SGD whose per-parameter state also holds a non-tensor note, stored before the momentum buffer."""
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("note", "not a tensor")
+        return super().step(closure)
+
+
+def test_state_template_skips_non_tensor_state_and_keeps_what_follows() -> None:
+    """Entries of the optimiser state that are not tensors are left out of the kept state; the tensor entries after
+    them are kept (momentum buffer shaped like the parameter)."""
+    template = state_template(ClientOptimizer(factory=functools.partial(_NotedSGD, lr=0.1, momentum=0.9)),
+                              {"w": torch.zeros(4, 5)})
+    assert sorted(template) == [state_name("momentum_buffer", "w"), state_name("steps", "w")]
+    assert template[state_name("momentum_buffer", "w")].shape == (4, 5)
+
+
+def test_state_template_lives_on_the_parameters_device() -> None:
+    """The counters and the state of parameters on another device (``meta`` here) are made on that device."""
+    adam = ClientOptimizer.from_config(functools.partial(torch.optim.Adam, lr=0.1))
+    template = state_template(adam, {"w": torch.zeros(4, 5, device="meta")})
+    assert sorted(template) == sorted(state_name(k, "w") for k in ("steps", "step", "exp_avg", "exp_avg_sq"))
+    assert {v.device.type for v in template.values()} == {"meta"}
+
+
+def test_state_keys_of_nested_parameter_names() -> None:
+    """The state key is the first dotted piece after the prefix, whatever dots the parameter's name has."""
+    params = {"body.fc.weight": torch.zeros(2), "head.bias": torch.zeros(2)}
+    kept = state_template(ClientOptimizer(momentum=0.9), params)
+    assert state_keys(kept) == ["momentum_buffer"]
+
+
+def test_load_state_gives_the_state_to_a_stepped_leaf_after_a_fresh_one() -> None:
+    """A fresh leaf (kept counter 0) starts fresh; a leaf after it that has stepped still gets its kept state."""
+    a, b = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    kept = {**_kept("a", 0, 0.0, torch.zeros(3)), **_kept("b", 5, 5.0, torch.tensor([1.0, -1.0, 2.0]))}
+    load_state(opt, {"a": a, "b": b}, kept)
+    assert a not in opt.state or not opt.state[a]
+    assert float(opt.state[b]["step"]) == 5.0
+    assert_close_finite(opt.state[b]["exp_avg"], torch.tensor([1.0, -1.0, 2.0]))
+
+
+class _MLP(nn.Sequential):
+    """Linear, ReLU, Linear with the engine's forward signature (``side`` information, unused)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_a_fresh_context_lists_its_trainable_names_and_scores_a_batch() -> None:
+    """``param_names``: the trainable parameters in the network's order (a frozen one left out), which
+    ``params_with`` / ``params_without`` split; no class sums before a phase; ``batch_loss`` outside a ``Gradient``
+    is the plain cross-entropy of the batch."""
+    net = _MLP()
+    net[0].bias.requires_grad_(False)
+    x, y = torch.randn(5, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 1, 0, 1])
+    ctx = client_context(net, x, y, loss=F.cross_entropy)
+    assert ctx.param_names == ["0.weight", "2.weight", "2.bias"]
+    assert ctx.params_with(["2."]) == ["2.weight", "2.bias"]
+    assert ctx.params_without(["2."]) == ["0.weight"]
+    assert ctx.class_sums_seen is None
+    params = {n: p.detach().clone() for n, p in net.named_parameters()}
+    hidden = torch.relu(x @ params["0.weight"].T + params["0.bias"])
+    logits = hidden @ params["2.weight"].T + params["2.bias"]
+    expected = -torch.log_softmax(logits, 1)[torch.arange(5), y].mean()
+    assert_close_finite(ctx.batch_loss(params, x, y), expected)
+
+
+BN1D_WARNING = (
+    "BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm cannot train on one sample); "
+    "model.drop_last: true drops every partial minibatch"
+)
+
+
+@pytest.mark.parametrize(
+    ("batchnorm", "samples", "drop_last", "steps", "warned"),
+    [(True, 9, False, 2, True), (True, 8, False, 2, False), (True, 10, False, 3, False), (True, 9, True, 2, False),
+     (False, 9, False, 3, False)],
+)
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(
+    batchnorm: bool, samples: int, drop_last: bool, steps: int, warned: bool,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
+    run says so once; 8 or 10 samples (no batch of one), ``drop_last`` (asked for) or no BatchNorm1d say nothing."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    net = _MLP()
+    net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
+    x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(samples) % 2
+    ctx = client_context(net, x, y, loss=F.cross_entropy,
+                         optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+        ctx.sgd(params, ctx.param_names, epochs=1)
+        ctx.sgd(params, ctx.param_names, epochs=1)
+    assert int(ctx.steps_taken) == steps
+    assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
+
+
+def test_factory_name_names_the_class_a_factory_builds() -> None:
+    """None is the default SGD; a class, a ``partial`` of it, or a LightningCLI-style ``partial(instantiator, cls)``
+    give the class's name; anything else its ``repr``."""
+
+    def instantiate(cls: type, **kwargs: object) -> object:
+        return cls(**kwargs)
+
+    assert factory_name(None) == "SGD"
+    assert factory_name(torch.optim.Adam) == "Adam"
+    assert factory_name(functools.partial(torch.optim.RMSprop, lr=0.1)) == "RMSprop"
+    assert factory_name(functools.partial(instantiate, torch.optim.Adagrad, lr=0.1)) == "Adagrad"
+    assert factory_name("adam") == repr("adam")

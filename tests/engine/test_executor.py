@@ -283,3 +283,18 @@ def test_the_cohort_size_decides_for_the_whole_run_whatever_drops_out() -> None:
     assert executor.decide(module, 1).path == "stacked"  # 3 per round planned, 1 survived
     module._trainer.world_size = 3
     assert executor.decide(module, 3).path == "sequential"  # 1 per rank
+
+
+def test_planned_clients_is_this_ranks_share_of_the_configured_cohort() -> None:
+    """⌈clients_per_round / world size⌉ when the trainer has a DataModule (a trainer that says no world size is one
+    process), else the clients given; a module without a trainer plans the clients given."""
+    module = SimpleNamespace()
+    assert executor.planned_clients(module, 3) == 3
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(clients_per_round=5))
+    assert executor.planned_clients(module, 3) == 5
+    module._trainer.world_size = 2
+    assert executor.planned_clients(module, 3) == 3
+    module._trainer.world_size = 5
+    assert executor.planned_clients(module, 2) == 1
+    module._trainer.datamodule = None
+    assert executor.planned_clients(module, 2) == 2

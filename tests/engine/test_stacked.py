@@ -14,7 +14,15 @@ from torch.func import functional_call, grad_and_value
 from torch.nn import functional as F
 
 import fl_lightning.engine.stacked as executors
-from fl_lightning.client import ClientContext, ClientOptimizer, Penalty, loss_fn_for, state_name, state_template
+from fl_lightning.client import (
+    ClientContext,
+    ClientOptimizer,
+    Objective,
+    Penalty,
+    loss_fn_for,
+    state_name,
+    state_template,
+)
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import (
     BatchedAdam,
@@ -1244,3 +1252,82 @@ def test_custom_gradient_gets_unit_weights_on_the_batch_device() -> None:
         if device == "cpu":
             assert seen[-1].tolist() == [1.0, 1.0, 1.0]
             assert float(loss) == 1.5 and leaf.grad.tolist() == [2.0, -6.0]
+
+
+@pytest.mark.parametrize(("cls", "amsgrad"), [(torch.optim.Adam, False), (torch.optim.Adam, True),
+                                               (torch.optim.AdamW, False)])
+def test_batched_adam_keeps_the_state_keys_torch_keeps(cls: type, amsgrad: bool) -> None:
+    """The kept client optimiser state is named by torch's own state keys (``max_exp_avg_sq`` only with amsgrad)."""
+    rule = batched_rule(ClientOptimizer.from_config(functools.partial(cls, lr=0.01, amsgrad=amsgrad)))
+    leaf = torch.zeros(2, requires_grad=True)
+    opt = cls([leaf], lr=0.01, amsgrad=amsgrad)
+    leaf.grad = torch.ones(2)
+    opt.step()
+    assert isinstance(rule, BatchedAdam)
+    assert sorted(rule.keys) == sorted(opt.state[leaf])
+    assert sorted(rule.init(torch.zeros(3, 2))) == sorted(opt.state[leaf])
+
+
+def test_batched_adam_steps_float32_parameters_in_float32() -> None:
+    """The bias corrections are computed in float64 from the step counts and cast to the parameters' dtype: float32
+    clients stay float32 and match ``torch.optim.Adam``."""
+    hyper = {"lr": 0.01, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False}
+    rule = BatchedAdam(hyper, decoupled=False)
+    g = torch.Generator().manual_seed(4)
+    start, grads = torch.randn(2, 3, generator=g), torch.randn(3, 2, 3, generator=g)
+    p, state, count = start.clone(), rule.init(start), torch.zeros(2, dtype=torch.long)
+    for t in range(3):
+        p, state = rule.step(p, grads[t], state, count, 0.01, 0.0)
+        count = count + 1
+    assert p.dtype == torch.float32
+    for k in range(2):
+        leaf = start[k].clone().requires_grad_(True)
+        opt = torch.optim.Adam([leaf], lr=0.01)
+        for t in range(3):
+            leaf.grad = grads[t, k].clone()
+            opt.step()
+        assert_close_finite(p[k], leaf.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_plan_with_a_cap_per_client_and_each_clients_last_epoch() -> None:
+    """Sizes 5, 3, 0 in batches of 2 over 2 epochs (3, 2 and 0 batches per epoch), caps 4, none, none: 4, 4 and 0
+    steps; the last epoch with a step starts at step 3 (client 0's second epoch has one step), 2, and 0 for the
+    client without steps; on the host and on the device."""
+    gens = [torch.Generator().manual_seed(k) for k in range(3)]
+    plan = plan_phase([5, 3, 0], [0, 5, 8], gens, [1.0] * 3, None, 2, 2, 1, [4, None, None], torch.device("cpu"))
+    assert plan.host_steps == [4, 4, 0] and plan.steps.tolist() == [4, 4, 0]
+    assert plan.host_last_epoch == [3, 2, 0]
+    assert plan.last_epoch is not None and plan.last_epoch.tolist() == [3, 2, 0]
+    assert plan.lengths == [[2, 2, 1, 2], [2, 1, 2, 1], []]
+
+
+def test_the_networks_forward_and_loss_inside_an_objective_see_each_clients_side_information() -> None:
+    """An ``Objective`` written with ``ctx.forward`` and ``ctx.loss`` (each client's side vector included) trains
+    every stacked client as the sequential loop trains it with the same objective (6 samples each in batches of 3:
+    no padding rows, which ``ctx.loss``, unlike the objective's per-sample values, would average in)."""
+    torch.manual_seed(0)
+    net = TinySide()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(6, 4, generator=g) for _ in range(2)]
+    ys = [torch.randint(0, 3, (6,), generator=g) for _ in range(2)]
+    sides = [torch.randn(2, generator=g) for _ in range(2)]
+    opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=3)
+    vctx = VectorizedContext(net, range(2), xs, ys, sides, opt, per_sample_loss_for(3), generators(2), None, 0, 5,
+                             [1.0] * 2)  # fmt: skip
+
+    def objective_for(ctx: ClientContext | VectorizedContext) -> Objective:
+        def fn(params: Params, x: Tensor, y: Tensor, data: Params) -> Tensor:
+            return F.cross_entropy(ctx.forward(params, x), y, reduction="none") + ctx.loss(params, x, y) ** 2
+
+        return Objective(fn)
+
+    expanded = {n: v.expand(2, *v.shape) for n, v in glob.items()}
+    out = vctx.sgd(expanded, list(glob), 1, objective=objective_for(vctx))
+    for k, g in enumerate(generators(2)):
+        seq = client_context(net, xs[k], ys[k], client=k, side=sides[k], optimizer=opt, loss=loss_fn_for(3),
+                             generator=g)
+        ref = seq.sgd(glob, list(glob), 1, objective=objective_for(seq))
+        for n in glob:
+            assert_close_finite(out[n][k], ref[n], rtol=1e-5, atol=1e-6, msg=f"{n} client {k}")
+    assert not torch.equal(out["side.embed.weight"][0], out["side.embed.weight"][1])
