@@ -344,16 +344,21 @@ def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, flo
     return out
 
 
+def evaluation_stacks(module: Module, clients: int) -> bool:
+    """Whether the executor choice (``executor.choose_path``) stacks ``clients`` evaluating at once."""
+    device = next((p.device for p in module.net.parameters()), torch.device("cpu"))
+    workload = Workload(clients, evaluation=True)
+    return choose_path(module.algorithm, module.net, device, workload, module.executor).stacked
+
+
 def shared_body_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
     """The fast path applies when the executor choice stacks ``clients`` evaluating at once
     (``executor.choose_path``) and every client's model is (global body) + (its own head), and the body has no
     BatchNorm (whose training-mode statistics depend on how samples are batched, so "+FT" runs client by client)."""
     kind = type(module.algorithm)
     net = module.net
-    device = next((p.device for p in net.parameters()), torch.device("cpu"))
-    workload = Workload(clients, evaluation=True)
     return (
-        choose_path(module.algorithm, net, device, workload, module.executor).stacked
+        evaluation_stacks(module, clients)
         and isinstance(getattr(net, "body", None), nn.Module)
         and getattr(net, "side", None) is None
         and not has_batchnorm(net)
@@ -376,7 +381,6 @@ def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: 
     before the forward: no "+FT", no evaluation-time adaptation, the network's own forward as prediction, a
     classification task, no side branch and no recurrent layer (BatchNorm is refused by ``choose_path``)."""
     kind, net = type(module.algorithm), module.net
-    device = next((p.device for p in net.parameters()), torch.device("cpu"))
     return (
         finetune is None
         and module.fed.num_classes is not None
@@ -385,7 +389,7 @@ def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: 
         and not has_rnn(net)
         and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
         and kind.predict is Algorithm.predict
-        and choose_path(module.algorithm, net, device, Workload(clients, evaluation=True), module.executor).stacked
+        and evaluation_stacks(module, clients)
     )
 
 
@@ -491,7 +495,11 @@ def _evaluate_with_shared_body(
     sizes = [hi - lo for lo, hi in spans]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     heads = [{n[len("head.") :]: v for n, v in head.items()} for head in heads]
-    for group in row_groups(sizes, STACKED_ROWS) if module.fed.num_classes is not None else []:
+    if module.fed.num_classes is not None:
+        groups = row_groups(sizes, STACKED_ROWS)
+    else:  # regression: each client's head on its own rows
+        groups = [[k] for k, n in enumerate(sizes) if n]
+    for group in groups:
         if len(group) > 1:  # the group's heads at once on its clients' padded features
             out = _stacked_apply(net.head, stack([heads[k] for k in group]),
                                  _pad([feats[starts[k] : starts[k] + sizes[k]] for k in group]))  # fmt: skip
@@ -501,10 +509,6 @@ def _evaluate_with_shared_body(
         k = group[0]
         out = functional_call(net.head, heads[k], (feats[starts[k] : starts[k] + sizes[k]],))
         scores.update(clients[k], *score_outputs(out, test.y[spans[k][0] : spans[k][1]], module.fed.num_classes))
-    if module.fed.num_classes is None:  # regression: each client's head on its own rows
-        for c, (lo, hi), head, start in zip(clients, spans, heads, starts):
-            out = functional_call(net.head, head, (feats[start : start + hi - lo],))
-            scores.update(c, *score_outputs(out, test.y[lo:hi], module.fed.num_classes))
 
 
 def _finetune_heads(

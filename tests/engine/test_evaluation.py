@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -719,3 +720,32 @@ def test_shared_body_heads_scored_in_groups_equal_each_clients_head_by_hand(
     evaluation.evaluate_clients(loop, list(range(6)), ROUND, expected, finetune=finetune, state_of=lambda c: heads[c])
     assert scores.total.tolist() == expected.total.tolist() and scores.correct.tolist() == expected.correct.tolist()
     assert_close_finite(scores.loss_sum, expected.loss_sum, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_body_regression_scores_each_clients_head_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression on the shared-body path: every client's summed squared error of its own head on the global body's
+    features, by hand (clients are scored one at a time there; the empty client adds nothing)."""
+    monkeypatch.setattr(evaluation, "STACKED_ROWS", 16)
+    gen = torch.Generator().manual_seed(5)
+    sizes = STACKED_TEST_SIZES
+
+    def split(rows: list[int]) -> ClientSplit:
+        n = sum(rows)
+        ptr = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+        return ClientSplit(torch.randn(n, 4, generator=gen, dtype=torch.float64),
+                           torch.randn(n, 3, generator=gen, dtype=torch.float64), ptr)  # fmt: skip
+
+    torch.manual_seed(1)
+    net = SplitModel(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Linear(5, 3)).double()
+    module = FederatedModule(FedAvg(1, personal=("head.",)), net, executor="vectorized")
+    module.attach_data(FederatedData(split([4] * len(sizes)), split(sizes), None, seed=SEED))
+    glob = module.global_params()
+    heads = [{n: v for n, v in m.items() if n.startswith("head.")} for m in _own_models(module)]
+    assert shared_body_applies(module, None, len(sizes))
+    scores = PerClientScores(len(sizes))
+    evaluation.evaluate_clients(module, list(range(len(sizes))), ROUND, scores, state_of=lambda c: heads[c])
+    for c in range(len(sizes)):
+        x, y = module.fed.test.client(c)
+        err = float(((_hand_forward({**glob, **heads[c]}, x, False) - y) ** 2).sum())
+        assert scores.total[c] == x.shape[0] and scores.correct[c] == 0
+        assert math.isfinite(err) and float(scores.loss_sum[c]) == pytest.approx(err, rel=1e-9, abs=1e-12)
