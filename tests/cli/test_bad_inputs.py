@@ -11,14 +11,13 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from fl_lightning.cli import main as train_main
 from fl_lightning.experiment.__main__ import main as experiment_main
+from tests.helpers.training import train_here
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = str(ROOT / "configs/quickstart.yaml")
@@ -26,12 +25,8 @@ FAST = ["--trainer.enable_progress_bar", "false", "--model.algorithm.init_args.h
 
 
 def train(run_dir: Path | None, *args: str, config: str = QUICK, steps: str = "2") -> int:
-    argv, sys.argv = sys.argv, sys.argv[:1]
     where = ["--run_dir", str(run_dir)] if run_dir is not None else []
-    try:
-        return train_main(["--config", config, "--trainer.max_steps", steps, *FAST, *where, *args])
-    finally:
-        sys.argv = argv
+    return train_here(["--config", config, "--trainer.max_steps", steps, *FAST, *where, *args])
 
 
 def one_error(capsys) -> str:

@@ -20,9 +20,9 @@ import torch
 import yaml
 
 from fl_lightning.cli import distributed_strategy, main, set_tf32
-from fl_lightning.cli import main as train_main
 from fl_lightning.engine.evaluation import ClientEvaluation
 from fl_lightning.experiment.wandb_files import offline_runs
+from tests.helpers.training import train_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,11 +149,7 @@ QUICK_2 = ["--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.enable_
 
 def train_2(run_dir: Path, *args: str) -> int:
     """``train.py`` in this process (WANDB_MODE from the environment: disabled unless a test sets it)."""
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        return train_main([*QUICK_2, "--run_dir", str(run_dir), *args])
-    finally:
-        sys.argv = argv
+    return train_here([*QUICK_2, "--run_dir", str(run_dir), *args])
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:

@@ -29,3 +29,17 @@ def fit(module, datamodule, rounds: int, seed: int = 0, **trainer_kwargs):
     trainer = make_trainer(rounds, **trainer_kwargs)
     trainer.fit(module, datamodule=datamodule)
     return module
+
+
+def train_here(args: list[str]) -> int:
+    """``python train.py ARGS`` in this process (``fl_lightning.cli.main``; its return code). ``sys.argv`` holds only
+    the program name meanwhile: LightningCLI warns when both its args and ``sys.argv`` are given."""
+    import sys
+
+    from fl_lightning.cli import main
+
+    argv, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return main(list(args))
+    finally:
+        sys.argv = argv

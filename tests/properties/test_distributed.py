@@ -14,11 +14,11 @@ import pytest
 import torch
 import yaml
 
-from fl_lightning.cli import main
 from fl_lightning.engine.aggregation import assign_clients
 from tests.experiments.test_lowrank_mf import SMALL_SYNTHETIC_ARGS
 from tests.experiments.test_mixed_regression import SMALL_FEDMD_ARGS
 from tests.helpers.asserts import assert_close_finite
+from tests.helpers.training import train_here
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
@@ -147,12 +147,8 @@ TRAIN_RUNS = {"mixed_regression": MIXED, "lowrank_mf": LOWRANK, "linear_populati
 def final_state(args: list[str], run_dir: Path) -> dict[str, torch.Tensor]:
     """train.py ARGS on one process, here (``cli.main``, what train.py calls): the last checkpoint's state."""
     args = [*args, "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--run_dir", str(run_dir)]
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        with contextlib.chdir(ROOT):
-            assert main([*args, "--trainer.enable_progress_bar", "false"]) == 0
-    finally:
-        sys.argv = argv
+    with contextlib.chdir(ROOT):
+        assert train_here([*args, "--trainer.enable_progress_bar", "false"]) == 0
     return last_state(run_dir)
 
 

@@ -19,12 +19,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
-from fl_lightning.cli import main
 from fl_lightning.engine.evaluation import ClientChunks
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
-from tests.helpers.training import fit, make_trainer
+from tests.helpers.training import fit, make_trainer, train_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,11 +51,7 @@ data:
 
 def cli(*args: str) -> int:
     """``train.py ARGS`` in this process (return code; output goes to capsys/capfd)."""
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        return main([*args])
-    finally:
-        sys.argv = argv
+    return train_here([*args])
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:

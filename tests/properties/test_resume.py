@@ -17,12 +17,12 @@ import torch
 
 from fl_lightning.algorithms import FedRep
 from fl_lightning.callbacks import RoundCheckpoint
-from fl_lightning.cli import main, train_config
+from fl_lightning.cli import train_config
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from tests.helpers.digits_runs import digits
 from tests.helpers.round_references import DIGITS
-from tests.helpers.training import fit, make_trainer
+from tests.helpers.training import fit, make_trainer, train_here
 
 
 # ---- server state in checkpoints ----------------------------------------------------------------------------------
@@ -86,12 +86,8 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore", "OMP_
 
 
 def train(run_dir: Path, *extra: str) -> int:
-    """``train.py ARGS`` in this process (``cli.main``; the victim below is a real process, killed)."""
-    argv, sys.argv = sys.argv, sys.argv[:1]
-    try:
-        return main([*ARGS, "--run_dir", str(run_dir), *extra])
-    finally:
-        sys.argv = argv
+    """``train.py ARGS`` in this process (the victim below is a real process, killed)."""
+    return train_here([*ARGS, "--run_dir", str(run_dir), *extra])
 
 
 @pytest.mark.slow
