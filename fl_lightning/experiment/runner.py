@@ -131,13 +131,24 @@ def _finish_wandb() -> None:
         wandb.finish()
 
 
+@contextlib.contextmanager
+def as_train_py():
+    """Runs in this process as ``train.py``: ``sys.argv`` is the script alone meanwhile, and Ctrl-C raises
+    KeyboardInterrupt again afterwards (Lightning ignores SIGINT after an interrupt)."""
+    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_in_process(args: list[str], log_path: Path) -> tuple[str, str]:
     """``train.py args`` in this process; returns (status, one-line error)."""
     from fl_lightning import cli
     from fl_lightning.errors import one_line
 
-    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
-    try:
+    with as_train_py():
         with output_to(log_path) as log:
             try:
                 cli.run(args)
@@ -152,9 +163,6 @@ def run_in_process(args: list[str], log_path: Path) -> tuple[str, str]:
             finally:
                 with contextlib.suppress(Exception):
                     _finish_wandb()
-    finally:
-        sys.argv = argv
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT after an interrupt
 
 
 def train_command() -> list[str]:
@@ -328,15 +336,10 @@ def run_batch_in_process(
     and grouped (``batch_groups``)."""
     from fl_lightning.engine.run_axis.driver import BatchedRuns
 
-    argv, sys.argv = sys.argv, [str(TRAIN_PY)]
-    try:
-        known = None if any(c is None for c in configs) else configs
-        job = BatchedRuns(arg_lists, [r.wandb_name for r in runs], logs=[r.run_dir / "train.log" for r in runs],
-                          configs=known)  # fmt: skip
-        outcomes = job.run()
-    finally:
-        sys.argv = argv
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as run_in_process
+    known = None if any(c is None for c in configs) else configs
+    with as_train_py():
+        outcomes = BatchedRuns(arg_lists, [r.wandb_name for r in runs], logs=[r.run_dir / "train.log" for r in runs],
+                               configs=known).run()  # fmt: skip
     return batch_results(runs, [(o.status, o.error) for o in outcomes])
 
 
