@@ -117,14 +117,17 @@ class FederatedData:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> FederatedData:
         """Move to ``device``; with ``dtype``, the floating client data (x, y, side) are cast to it. ``extras``
-        (ground truth for metrics) keep their dtype."""
-        return FederatedData(
-            self.train.to(device, dtype),
-            self.test.to(device, dtype),
-            self.num_classes,
-            self.seed,
-            None if self.side is None else _cast(self.side, device, dtype),
-            self.augment,
-            {k: v.to(device) for k, v in self.extras.items()},
-            None if self.val is None else self.val.to(device, dtype),
-        )
+        (ground truth for metrics) keep their dtype. The copies are normal tensors even when Lightning's evaluation
+        loop moves the data (it runs under ``torch.inference_mode``): evaluations adapt and fine-tune on them with
+        autograd, which refuses inference tensors."""
+        with torch.inference_mode(False):
+            return FederatedData(
+                self.train.to(device, dtype),
+                self.test.to(device, dtype),
+                self.num_classes,
+                self.seed,
+                None if self.side is None else _cast(self.side, device, dtype),
+                self.augment,
+                {k: v.to(device) for k, v in self.extras.items()},
+                None if self.val is None else self.val.to(device, dtype),
+            )

@@ -193,3 +193,22 @@ def test_client_update_skips_a_last_batch_without_target_and_reports_the_meta_lo
     assert_close_finite(up.upload["fc.weight"], (w0.numpy()[0] - beta * g_out)[None, :])
     assert_close_finite(float(up.loss), want_loss)
     assert up.state == {} and up.num_samples == 6
+
+
+def test_perfedavg_is_tested_after_a_64_bit_fit() -> None:
+    """The test stage casts the client data again inside Lightning's inference mode; PerFedAvg's adaptation step
+    differentiates through them (it failed with "Inference tensors cannot be saved for backward", as on a GPU)."""
+    import lightning as L
+
+    from datamodules import DigitsDataModule, Shards
+    from fl_lightning.engine.module import FederatedModule
+    from fl_lightning.models import DigitsMLP
+    from tests.helpers.training import make_trainer
+
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(PerFedAvg(), DigitsMLP(hidden=(8,)))
+    make_trainer(1, precision="64-true", limit_val_batches=0).fit(module, datamodule=dm)
+    (tested,) = make_trainer(1, precision="64-true").test(module, datamodule=dm, verbose=False)
+    assert next(module.net.parameters()).dtype == torch.float64
+    assert {"test/acc_mean", "test/loss"} <= set(tested) and np.isfinite(tested["test/loss"])

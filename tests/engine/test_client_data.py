@@ -109,6 +109,20 @@ def test_federated_data_to_without_side_or_val() -> None:
     assert moved.side is None and moved.val is None and moved.augment is None and moved.extras == {}
 
 
+def test_federated_data_moved_inside_inference_mode_can_be_trained_on() -> None:
+    """Lightning's evaluation loop runs under ``torch.inference_mode``, where the data are moved and cast
+    (``on_validation_start``); evaluations then adapt on them with autograd (PerFedAvg's step, "+FT"). A cast copy
+    made there must be a normal tensor, or ``backward`` refuses it (PerFedAvg's test on a GPU or in 64-bit did)."""
+    with torch.inference_mode():
+        moved = _fed().to("cpu", torch.float32)
+    splits = (moved.train, moved.test, moved.val)
+    assert all(s is not None and not s.x.is_inference() and not s.y.is_inference() for s in splits)
+    assert moved.side is not None and not moved.side.is_inference()
+    w = torch.ones(moved.train.x.shape[1], requires_grad=True)
+    (moved.train.x @ w).sum().backward()  # saves x for the gradient of w
+    assert w.grad is not None and torch.equal(w.grad, moved.train.x.sum(0))
+
+
 def test_evaluation_split_defaults_to_test() -> None:
     fed = _fed()
     assert fed.evaluation_split() is fed.test
