@@ -41,7 +41,7 @@ from fl_lightning.client import (
     loss_fn_for,
     state_template,
 )
-from fl_lightning.engine import aggregation, evaluation, executor
+from fl_lightning.engine import aggregation, evaluation, executor, lightning_logging
 from fl_lightning.engine import checkpoint as checkpoint_entries
 from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
 from fl_lightning.engine.client_data import FederatedData
@@ -58,6 +58,7 @@ from fl_lightning.metrics import PerClientScores
 
 __all__ = ["FP16_REFUSED", "FederatedModule", "FineTune", "TrainingDiverged"]
 
+lightning_logging.install()  # self.log without Lightning's per-call walk when nothing moves
 log = logging.getLogger("fl_lightning")
 
 
