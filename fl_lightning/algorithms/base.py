@@ -76,6 +76,11 @@ class Algorithm(nn.Module):
     #: so the vectorized executor can run it on stacked parameters. Each class must declare it itself (it is not
     #: inherited).
     vectorizable: bool = False
+    #: True when ``client_update`` reads its server state (the algorithm's buffers, SCAFFOLD's ``c``) only in
+    #: arithmetic that broadcasts against per-client ``[K, ...]`` tensors: batched runs (the run axis) then stack the
+    #: clients of runs whose server states differ in one call, each client holding its own run's buffers ``[K, ...]``.
+    #: False: a run with server state trains its clients in a call of its own.
+    server_state_broadcasts: bool = False
     #: True to keep each client's optimiser state (momentum, Adam moments) across rounds in the client-state
     #: bank, as ``model.keep_client_optimizer_state: true`` does; False: a fresh optimiser per phase.
     keep_client_optimizer_state: bool = False

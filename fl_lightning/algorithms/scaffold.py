@@ -36,6 +36,7 @@ def _key(name: str) -> str:
 
 class SCAFFOLD(Algorithm):
     vectorizable = True  # ctx.sgd with a Penalty, per-client step counts and dict operations
+    server_state_broadcasts = True  # c enters only c − c_i and mean_step − c
     state_prefixes = (STATE,)
     reveals = "the model delta and Δc_i, both computed with the client's control variate c_i (not c_i itself)"
     state_dependent_uploads = ("",)

@@ -14,7 +14,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
+from fl_lightning.algorithms import SCAFFOLD, FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer
@@ -89,6 +89,25 @@ def test_three_seeds_batched_equal_three_solo_runs_and_write_their_own_run_dirs(
         assert_same_run(batched, solo)
         rows = (batched / "metrics.csv").read_text().splitlines()
         assert len(rows) == len((solo / "metrics.csv").read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_scaffold_seeds_batched_equal_their_solo_runs_server_variates_included(tmp_path):
+    """SCAFFOLD's runs each update their own c (``server_update``) and train in one stacked call per round."""
+    scaffold = [
+        "--config", str(ROOT / "configs/digits/base.yaml"), "--config", str(ROOT / "configs/digits/scaffold.yaml"),
+        "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
+    ]  # fmt: skip
+    job = BatchedRuns(seed_runs([*scaffold, "--run_dir", str(tmp_path / "batched")], [0, 1]))
+    assert [o.status for o in job.run()] == ["done"] * 2
+    assert job.lockstep.executor.calls == 4
+    variates = []
+    for s in (0, 1):
+        solo = tmp_path / "solo" / f"s{s}"
+        train_config([scaffold[1], scaffold[3]], [*scaffold[4:], "--seed_everything", str(s)], run_dir=solo)
+        assert_same_run(tmp_path / "batched" / f"s{s}", solo)  # the checkpoint's state_dict holds c
+        variates.append(final_state(solo)["algorithm.c__head__weight"])
+    assert float(variates[0].abs().max()) > 0 and not torch.equal(variates[0], variates[1])
 
 
 def test_a_batched_job_resumes_from_its_runs_checkpoints(tmp_path):
@@ -184,6 +203,32 @@ def test_stacked_cohorts_of_three_runs_equal_each_runs_sequential_clients(name):
         for got, ref in zip(req.result, alone):
             assert got.num_samples == ref.num_samples
             assert abs(got.loss - ref.loss) < 1e-5
+            assert set(got.upload) == set(ref.upload) and set(got.state) == set(ref.state)
+            for n in ref.upload:
+                assert_close_finite(got.upload[n], ref.upload[n], rtol=0, atol=1e-5, msg=n)
+            for n in ref.state:
+                assert_close_finite(got.state[n], ref.state[n], rtol=0, atol=1e-5, msg=n)
+
+
+def test_runs_with_their_own_server_state_share_one_call_each_client_with_its_runs_state():
+    """SCAFFOLD's server variate c differs per run; the three runs' clients still train in one stacked call
+    (``server_state_broadcasts``), each with its own run's c, and equal each run alone; every run keeps its c."""
+    modules = [digits_module(s, SCAFFOLD(1)) for s in (0, 1, 2)]
+    for s, m in enumerate(modules):
+        for buffer in m.algorithm.buffers():
+            buffer.copy_(0.05 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(10 + s)))
+    before = [{n: b.clone() for n, b in m.algorithm.named_buffers()} for m in modules]
+    assert len(before[0]) > 0 and not torch.equal(next(iter(before[0].values())), next(iter(before[1].values())))
+    requests = requests_for(modules, round_idx=1, budgets=[1.0, 0.4, 1.0])
+    executor = CohortExecutor()
+    executor.run(requests)
+    assert executor.calls == 1
+    for m, kept in zip(modules, before):
+        assert all(torch.equal(b, kept[n]) for n, b in m.algorithm.named_buffers())
+    for req in requests:
+        assert req.done and req.error is None
+        alone = req.module.run_clients(req.clients, req.round_idx, req.glob, req.states, req.budgets)
+        for got, ref in zip(req.result, alone):
             assert set(got.upload) == set(ref.upload) and set(got.state) == set(ref.state)
             for n in ref.upload:
                 assert_close_finite(got.upload[n], ref.upload[n], rtol=0, atol=1e-5, msg=n)

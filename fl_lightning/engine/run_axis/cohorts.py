@@ -7,7 +7,8 @@ stacked local updates are each run's own. The uploads and state rows are then sp
 aggregates, steps its own server optimiser and evaluates in its own Lightning loop.
 
 Runs share one call when everything the call holds once is the same for them (``cohort_key``): the algorithm's
-class and hyper-parameters (and no server state an update could read), the network's structure, the client
+class and hyper-parameters (and no server state an update could read, unless it broadcasts: then each client holds
+its own run's buffers for the call, ``each_runs_server_state``), the network's structure, the client
 optimiser of the round, the loss, the augmentation and whether optimiser state is kept. Others train in their
 own call of the same lockstep step. An algorithm that reads ``ctx.seed`` or ``ctx.round`` while the runs differ
 in it gets one call per run from then on (``MixedRunValue``).
@@ -16,7 +17,8 @@ in it gets one call per run from then on (``MixedRunValue``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,11 +145,36 @@ class CohortRequest:
 def combinable(module: FederatedModule) -> bool:
     """Whether the run's local update runs on stacked clients (else it runs its own loop in the lockstep): the
     stacked path can run it (``executor.choose_path`` asked for ``vectorized``: whether it wins does not depend on
-    one run's cohort, the runs' cohorts train together) and the algorithm has no server state an update could read."""
+    one run's cohort, the runs' cohorts train together) and the algorithm has no server state an update could read,
+    or only buffers that it reads in broadcasting arithmetic (``Algorithm.server_state_broadcasts``)."""
     algorithm = module.algorithm
-    server_state = any(True for _ in algorithm.parameters()) or any(True for _ in algorithm.buffers())
+    buffers = any(True for _ in algorithm.buffers()) and not algorithm.server_state_broadcasts
+    server_state = any(True for _ in algorithm.parameters()) or buffers
     can = choose_path(algorithm, module.net, module.device, Workload(clients=1), "vectorized").stacked
     return can and not server_state
+
+
+@contextmanager
+def each_runs_server_state(requests: Sequence[CohortRequest], slices: Sequence[tuple[int, int]]) -> Iterator[None]:
+    """For one stacked call, the first run's algorithm holds every server buffer per client, ``[K, ...]`` with rows
+    ``lo:hi`` its run's own (``Algorithm.server_state_broadcasts``); its own buffers are put back afterwards."""
+    algorithm = requests[0].module.algorithm
+    names = [n for n, _ in algorithm.named_buffers()]
+    if len(requests) == 1 or not names:
+        yield
+        return
+    saved = {n: algorithm.get_buffer(n) for n in names}
+    try:
+        for n in names:
+            per_run = [req.module.algorithm.get_buffer(n) for req in requests]
+            stacked = torch.cat([b.expand(hi - lo, *b.shape) for b, (lo, hi) in zip(per_run, slices)])
+            owner, _, leaf = n.rpartition(".")
+            algorithm.get_submodule(owner)._buffers[leaf] = stacked
+        yield
+    finally:
+        for n, b in saved.items():
+            owner, _, leaf = n.rpartition(".")
+            algorithm.get_submodule(owner)._buffers[leaf] = b
 
 
 _SKIP = ("training", "num_aggregated")
@@ -234,7 +261,8 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     ctx.optimizer_state = stack(kept) if keep else None
     glob = globs[0] if len(globs) == 1 else {n: torch.cat([g[n] for g in globs]) for n in globs[0]}
     ctx.run_global = glob
-    upd = first.algorithm.client_update(ctx, glob, stack(states) if states[0] else {})
+    with each_runs_server_state(requests, slices):
+        upd = first.algorithm.client_update(ctx, glob, stack(states) if states[0] else {})
     new_kept = ctx.optimizer_state or {}
     for r, (lo, hi) in enumerate(slices):
         out[r] = stacked_updates(upd, ctx, new_kept, lo, hi)  # as executor.run_clients
