@@ -14,7 +14,6 @@ tests check against (``tests/engine/test_lightning_logging.py``); any other vers
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -25,19 +24,20 @@ from torch import Tensor
 SUPPORTED = ("2.6.",)  #: the Lightning versions whose ``_ResultMetric.to`` this wraps (pyproject: >=2.6.4,<2.7)
 
 
-def tensors_on(obj: Any, device: torch.device) -> bool:
-    """Whether every tensor in ``obj`` (tensors inside dicts, lists, tuples and dataclasses, as Lightning's move
-    walks them) is on ``device``; an ``nn.Module`` (a nested metric) answers False, so its move is never skipped."""
-    if isinstance(obj, Tensor):
-        return obj.device == device
-    if isinstance(obj, torch.nn.Module):
-        return False
-    if isinstance(obj, dict):
-        return all(tensors_on(v, device) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(tensors_on(v, device) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return all(tensors_on(getattr(obj, f.name), device) for f in dataclasses.fields(obj))
+#: where a Lightning 2.6 ``_ResultMetric`` keeps tensors: its states (``add_state``), their defaults, the last step's
+#: value and the computed result (``tests/engine/test_lightning_logging.py`` walks every attribute to check it)
+STATES = ("value", "cumulated_batch_size", "_forward_cache", "_computed")
+
+
+def metric_on(metric: Any, device: torch.device) -> bool:
+    """Whether every tensor of a logged metric is on ``device`` (anything else where a tensor may be: no)."""
+    held = metric.__dict__
+    for value in [*(held.get(name) for name in STATES), *held.get("_defaults", {}).values()]:
+        if isinstance(value, Tensor):
+            if value.device != device:
+                return False
+        elif value is not None and not isinstance(value, (int, float)):
+            return False
     return True
 
 
@@ -47,7 +47,7 @@ def skip_idle_moves(to: Callable[..., Any]) -> Callable[..., Any]:
     def move(self: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], (torch.device, str)):
             device = torch.device(args[0])
-            if tensors_on(self.__dict__, device):
+            if metric_on(self, device):
                 return self
         return to(self, *args, **kwargs)
 

@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Metada
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.engine import lightning_logging
-from fl_lightning.engine.lightning_logging import skip_idle_moves, tensors_on
+from fl_lightning.engine.lightning_logging import skip_idle_moves
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from tests.helpers.training import make_trainer
@@ -20,22 +20,54 @@ from tests.helpers.training import make_trainer
 CPU, META = torch.device("cpu"), torch.device("meta")
 
 
-@dataclasses.dataclass
-class Holder:
-    inner: object
+def tensor_paths(obj: object, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor reachable from ``obj`` through dicts, lists, tuples, dataclasses and modules' ``__dict__``,
+    by path: the places Lightning's move (``apply_to_collection``) could touch."""
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    if isinstance(obj, torch.nn.Module):
+        return tensor_paths(obj.__dict__, path)
+    items: list[tuple[str, object]] = []
+    if isinstance(obj, dict):
+        items = [(f"{path}.{k}", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return {k: t for name, v in items for k, t in tensor_paths(v, name).items()}
 
 
-def test_tensors_on_looks_inside_containers_and_dataclasses() -> None:
-    on_cpu = {"a": torch.zeros(2), "b": [torch.ones(1), (torch.zeros(()), 3)], "c": "text", "d": Holder(torch.ones(1))}
-    assert tensors_on(on_cpu, CPU)
-    assert not tensors_on(on_cpu, META)
-    for where in ("a", "b", "d"):  # one tensor elsewhere, at each depth
-        moved = dict(on_cpu)
-        moved[where] = {"a": torch.zeros(2, device=META), "b": [torch.zeros(1, device=META)],
-                        "d": Holder(torch.zeros(1, device=META))}[where]  # fmt: skip
-        assert not tensors_on(moved, CPU), where
-    assert tensors_on({"no": None, "tensors": [1, 2.0]}, META)
-    assert not tensors_on({"module": torch.nn.Linear(1, 1)}, CPU)  # a nested metric or module always moves
+def test_metric_on_sees_every_tensor_a_logged_metric_holds() -> None:
+    """After a fit and a test, every tensor of every metric Lightning logged sits where ``metric_on`` looks, and
+    ``metric_on`` agrees with the full walk for the metric's device and another one."""
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    trainer = make_trainer(2)
+    trainer.fit(module, datamodule=dm)
+    metrics = [*trainer.fit_loop.epoch_loop._results.values(), *trainer.validate_loop._results.values()]
+    trainer.test(module, datamodule=dm, verbose=False)
+    metrics += list(trainer.test_loop._results.values())
+    assert all(isinstance(m, _ResultMetric) for m in metrics)
+    assert {"train/loss", "comm/upload_bytes", "test/acc_mean", "test/loss"} <= {m.meta.name for m in metrics}
+    allowed = {f".{name}" for name in lightning_logging.STATES}
+    for metric in metrics:
+        found = tensor_paths(metric.__dict__)
+        assert found and {p for p in found if not p.startswith("._defaults.")} <= allowed, sorted(found)
+        assert lightning_logging.metric_on(metric, CPU) == all(t.device == CPU for t in found.values())
+        assert not lightning_logging.metric_on(metric, META)
+
+
+def test_metric_on_answers_no_for_a_state_elsewhere_or_of_unknown_kind() -> None:
+    metric = _metric()
+    assert lightning_logging.metric_on(metric, CPU)
+    metric.__dict__["_forward_cache"] = torch.zeros((), device=META)
+    assert not lightning_logging.metric_on(metric, CPU)
+    metric.__dict__["_forward_cache"] = [torch.zeros(())]  # not a tensor, not a number: never skipped
+    assert not lightning_logging.metric_on(metric, CPU)
+    other = _metric()
+    other._defaults["value"] = torch.zeros((), device=META)
+    assert not lightning_logging.metric_on(other, CPU)
 
 
 def _metric() -> _ResultMetric:
