@@ -60,6 +60,18 @@ class RoundCheckpoint(ModelCheckpoint):
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
 
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning's, only where it can save: a deferred round save, an epoch trigger, the last checkpoint of a
+        round just saved, or a ``"link"``. On the other rounds its only work was a deep copy of every logged metric
+        (``_monitor_candidates``), every round."""
+        if (
+            self._defer_save_until_validation
+            or self._every_n_epochs >= 1
+            or self._last_global_step_saved == trainer.global_step
+            or (self.save_last == "link" and self._last_checkpoint_saved)
+        ):
+            super().on_validation_end(trainer, pl_module)
+
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         """Lightning's save, after checking that the folder has room for it (the size of the newest checkpoint, or
         the tensors of the first one, plus 5 %)."""
