@@ -699,6 +699,15 @@ class ClientContext:
             out[n] = v.detach()
         return loss
 
+    def full_gradient(self, params: Params, names: Sequence[str]) -> Params:
+        """The gradient with respect to ``names`` of the client's mean loss on all of its training data (zeros for
+        a client without data): one full-batch step's direction, as Per-FedAvg's evaluation-time adaptation takes."""
+        if not self.num_samples:
+            return {n: torch.zeros_like(params[n]) for n in names}
+        leaves = {**params, **{n: params[n].detach().requires_grad_(True) for n in names}}
+        grads = torch.autograd.grad(self.loss(leaves, self.x, self.y), [leaves[n] for n in names])
+        return dict(zip(names, grads))
+
     @torch.no_grad()
     def mean_loss(self, params: Params) -> Tensor:
         """The loss of ``params`` on all of the client's training data (a 0-d tensor)."""
@@ -809,6 +818,10 @@ class Client(Protocol):
 
     def mean_loss(self, params: Params) -> Tensor:
         """The loss of ``params`` on all of the client's training data (``[K]`` stacked)."""
+
+    def full_gradient(self, params: Params, names: Sequence[str]) -> Params:
+        """The gradient with respect to ``names`` of the client's mean loss on all of its training data (zeros
+        without data; ``[K, ...]`` stacked)."""
 
     def sgd(
         self,

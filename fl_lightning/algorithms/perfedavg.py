@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor
 from torch.func import grad, grad_and_value
 
@@ -55,12 +54,6 @@ class PerFedAvg(Algorithm):
         self.first_order, self.hvp_delta = first_order, hvp_delta
         self.adapt_lr = inner_lr if adapt_lr is None else adapt_lr
         self.adapt_steps = adapt_steps
-
-    @staticmethod
-    def grad(ctx: ClientContext, params: Params, names: list[str], x, y) -> dict[str, torch.Tensor]:
-        leaves = {**params, **{n: params[n].detach().requires_grad_(True) for n in names}}
-        grads = torch.autograd.grad(ctx.loss(leaves, x, y), [leaves[n] for n in names])
-        return dict(zip(names, grads))
 
     def meta_gradient(self, ctx: ClientContext, w: Params, names: list[str], support, target) -> dict:
         """The HF (or first-order) Per-FedAvg gradient at w for one (D, D') pair of ``(x, y)`` batches."""
@@ -107,10 +100,10 @@ class PerFedAvg(Algorithm):
         return ClientUpdate(upload, {}, ctx.num_samples, loss=ctx.train_loss)
 
     def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:
-        if ctx.num_samples == 0:
-            return params
+        """``adapt_steps`` full-batch gradient steps w ← w − α∇f_i(w) on the client's training data (a client
+        without data keeps w)."""
         names = ctx.param_names
         for _ in range(self.adapt_steps):
-            g = self.grad(ctx, params, names, ctx.x, ctx.y)
+            g = ctx.full_gradient(params, names)
             params = {**params, **{n: (params[n] - self.adapt_lr * g[n]).detach() for n in names}}
         return params

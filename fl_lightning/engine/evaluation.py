@@ -27,9 +27,23 @@ from torch.func import functional_call
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params, make_generator
 from fl_lightning.engine.client_data import FederatedData
-from fl_lightning.engine.executor import Workload, choose_path, client_context, vector_context
+from fl_lightning.engine.executor import (
+    Workload,
+    choose_path,
+    client_context,
+    declares_vectorizable,
+    vector_context,
+)
 from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks, floyd_sample
-from fl_lightning.engine.stacked import FEATURE_CHUNK, has_batchnorm, has_rnn, stack, stackable, stacked_forward
+from fl_lightning.engine.stacked import (
+    FEATURE_CHUNK,
+    has_batchnorm,
+    has_rnn,
+    pad_rows,
+    stack,
+    stackable,
+    stacked_forward,
+)
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
@@ -228,7 +242,7 @@ def evaluate_clients(
         if shared_body_applies(module, finetune, len(clients)):
             _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split)
         elif stacked_scoring_applies(module, finetune, len(clients)):
-            _score_stacked(module, clients, glob, state_of, scores, split)
+            _score_stacked(module, clients, glob, state_of, scores, split, round_idx)
         else:
             for c in clients:
                 params = algorithm.client_model(glob, state_of(c))
@@ -378,16 +392,18 @@ STACKED_ROWS = 8192
 def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
     """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward
     (``_score_stacked``) when the executor choice stacks ``clients`` evaluating at once and nothing runs per client
-    before the forward: no "+FT", no evaluation-time adaptation, the network's own forward as prediction, a
-    classification task, no side branch and no recurrent layer (BatchNorm is refused by ``choose_path``)."""
+    before the forward: no "+FT", evaluation-time adaptation only by a vectorizable algorithm (then on the clients
+    stacked), the network's own forward as prediction, a classification task, no side branch and no recurrent layer
+    (BatchNorm is refused by ``choose_path``)."""
     kind, net = type(module.algorithm), module.net
+    adapts = kind.adapt_for_evaluation is not Algorithm.adapt_for_evaluation
     return (
         finetune is None
         and module.fed.num_classes is not None
         and module.fed.side is None
         and getattr(net, "side", None) is None
         and not has_rnn(net)
-        and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
+        and (not adapts or declares_vectorizable(module.algorithm))
         and kind.predict is Algorithm.predict
         and evaluation_stacks(module, clients)
     )
@@ -419,14 +435,6 @@ def _stacked_apply(module: nn.Module, params: Params, x: Tensor) -> Tensor:
     return torch.func.vmap(lambda p, xb: functional_call(module, p, (xb,)))(params, x)
 
 
-def _pad(rows: list[Tensor]) -> Tensor:
-    """``[K, n_max, ...]``: each client's rows, zero-padded to the longest."""
-    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
-    for k, r in enumerate(rows):
-        out[k, : r.shape[0]] = r
-    return out
-
-
 def _score_padded(out: Tensor, y: Tensor, sizes: list[int], clients: list[int], scores: PerClientScores) -> None:
     """``score_outputs`` of every client of a padded group at once (the padding masked out), into ``scores``."""
     k, width = y.shape
@@ -441,24 +449,31 @@ def _score_padded(out: Tensor, y: Tensor, sizes: list[int], clients: list[int], 
 @torch.no_grad()
 def _score_stacked(
     module: Module, clients: list[int], glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
-    split: str,
+    split: str, round_idx: int,
 ) -> None:  # fmt: skip
     """``score_client`` for many clients at once: their splits padded to one ``[K, n, ...]`` tensor per
-    ``row_groups`` group, each client's model stacked (``_stacked_apply``), the padding masked out of the correct
-    count and the summed cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone
-    (``score_client``'s slices)."""
+    ``row_groups`` group, each client's model stacked (``_stacked_apply``; adapted first on a stacked context of
+    the group's training data when the algorithm adapts), the padding masked out of the correct count and the summed
+    cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone (``score_client``'s slices)."""
     net, algorithm, data = module.net, module.algorithm, module.fed.evaluation_split(split)
+    adapts = type(algorithm).adapt_for_evaluation is not Algorithm.adapt_for_evaluation
     net.eval()
     pairs = [data.client(c) for c in clients]
     for group in row_groups([x.shape[0] for x, _ in pairs], STACKED_ROWS):
         ids = [clients[k] for k in group]
-        if len(group) == 1 and pairs[group[0]][0].shape[0] > STACKED_ROWS // 2:
-            params = algorithm.client_model(glob, state_of(ids[0]))
-            scores.update(ids[0], *score_client(net, module.fed, ids[0], params, split, algorithm.predict))
-            continue
+        alone = len(group) == 1 and pairs[group[0]][0].shape[0] > STACKED_ROWS // 2
         params = stack([algorithm.client_model(glob, state_of(c)) for c in ids])
-        out = _stacked_apply(net, params, _pad([pairs[k][0] for k in group]))
-        _score_padded(out, _pad([pairs[k][1] for k in group]), [pairs[k][0].shape[0] for k in group], ids, scores)
+        if adapts:  # in train mode with gradients, as the client-by-client loop adapts
+            net.train()
+            ctx = vector_context(module, ids, round_idx, [1.0] * len(ids), tag="evaluation")
+            params = algorithm.adapt_for_evaluation(ctx, params)
+            net.eval()
+        if alone:
+            mine = {n: v[0] for n, v in params.items()}
+            scores.update(ids[0], *score_client(net, module.fed, ids[0], mine, split, algorithm.predict))
+            continue
+        out = _stacked_apply(net, params, pad_rows([pairs[k][0] for k in group]))
+        _score_padded(out, pad_rows([pairs[k][1] for k in group]), [pairs[k][0].shape[0] for k in group], ids, scores)
 
 
 @torch.no_grad()
@@ -502,8 +517,8 @@ def _evaluate_with_shared_body(
     for group in groups:
         if len(group) > 1:  # the group's heads at once on its clients' padded features
             out = _stacked_apply(net.head, stack([heads[k] for k in group]),
-                                 _pad([feats[starts[k] : starts[k] + sizes[k]] for k in group]))  # fmt: skip
-            ys = _pad([test.y[spans[k][0] : spans[k][1]] for k in group])
+                                 pad_rows([feats[starts[k] : starts[k] + sizes[k]] for k in group]))  # fmt: skip
+            ys = pad_rows([test.y[spans[k][0] : spans[k][1]] for k in group])
             _score_padded(out, ys, [sizes[k] for k in group], [clients[k] for k in group], scores)
             continue
         k = group[0]

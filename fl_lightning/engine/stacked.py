@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fl_lightning.client import (
@@ -246,6 +246,14 @@ def has_conv(net: nn.Module) -> bool:
 
 def has_rnn(net: nn.Module) -> bool:
     return any(isinstance(m, nn.RNNBase) for m in net.modules())
+
+
+def pad_rows(rows: Sequence[Tensor]) -> Tensor:
+    """``[K, n_max, ...]``: each client's rows, zero-padded to the longest."""
+    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
+    for k, r in enumerate(rows):
+        out[k, : r.shape[0]] = r
+    return out
 
 
 def stack(dicts: Sequence[Params]) -> Params:
@@ -512,6 +520,31 @@ class VectorizedContext:
             out.append(self._masked_loss(self.net, {n: n for n in mine}, mine, x, y, torch.ones_like(y, dtype=x.dtype)))
         self._side = None
         return torch.stack(out) if out else torch.zeros(0, device=self.device)
+
+    def full_gradient(self, params: Params, names: Sequence[str]) -> Params:
+        """Each client's gradient of its mean loss on all of its training data with its own ``params``, ``[K, ...]``
+        (``ClientContext.full_gradient``): ``vmap`` over the clients' zero-padded rows, the padding masked out."""
+        names = list(names)
+        sizes = [x.shape[0] for x in self.xs]
+        if not names or not any(sizes):
+            return {n: torch.zeros_like(params[n]) for n in names}
+        x, y = pad_rows(self.xs), pad_rows(self.ys)
+        mask = (torch.arange(x.shape[1], device=x.device) < torch.tensor(sizes, device=x.device)[:, None]).to(x.dtype)
+        trained = {n: params[n] for n in names}
+        frozen = {n: v for n, v in params.items() if n not in trained}
+        everything = {n: n for n in params}
+
+        def one_client(p: Params, fz: Params, xb: Tensor, yb: Tensor, mb: Tensor, side: Tensor | None) -> Tensor:
+            self._side = side
+            return self._masked_loss(self.net, everything, {**fz, **p}, xb, yb, mb)
+
+        try:
+            grads = vmap(grad(one_client), in_dims=(0, 0, 0, 0, 0, None if self.sides is None else 0))(
+                trained, frozen, x, y, mask, self.sides
+            )
+        finally:
+            self._side = None
+        return dict(grads)
 
     # ---- features of a frozen body --------------------------------------------------------------------------
     def _head_only(self, trainable: Sequence[str], gradient: Gradient | None, objective: Objective | None) -> bool:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import FedAvg, FedProto, FedProx, PFedMe
+from fl_lightning.algorithms import FedAvg, FedProto, FedProx, PerFedAvg, PFedMe
 from fl_lightning.client import ClientContext, Params, select
 from fl_lightning.engine import evaluation
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
@@ -660,6 +660,34 @@ def test_stacked_scoring_equals_each_client_scored_alone_by_hand(monkeypatch: py
     for c in clients:
         x, y = module.fed.test.client(c)
         out = _hand_forward(models[c], x, layer_norm)
+        assert scores.total[c] == x.shape[0]
+        assert scores.correct[c] == float((out.argmax(1) == y).sum())
+        expected = float(F.cross_entropy(out.float(), y, reduction="sum")) if x.shape[0] else 0.0
+        assert float(scores.loss_sum[c]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["linear_stacked_forward", "layernorm_vmap"])
+def test_stacked_scoring_adapts_each_client_on_its_training_rows_first(monkeypatch, layer_norm: bool) -> None:
+    """Per-FedAvg adapts at evaluation (w − α∇f_i(w) on client i's training rows): on the stacked path every client
+    of a group adapts at once, then scores; each client's numbers equal its adapted model by hand (the 12-row client
+    in a group of its own, the empty test split not scored)."""
+    monkeypatch.setattr(evaluation, "STACKED_ROWS", 16)
+    module = _stacked_module(layer_norm)
+    module.algorithm = PerFedAvg(adapt_lr=0.5, adapt_steps=2)
+    clients = list(range(len(STACKED_TEST_SIZES)))
+    assert evaluation.stacked_scoring_applies(module, None, len(clients))
+    scores = PerClientScores(len(clients))
+    evaluation.evaluate_clients(module, clients, ROUND, scores, state_of=lambda c: {})
+    glob = module.global_params()
+    for c in clients:
+        w = {n: v.detach().clone() for n, v in glob.items()}
+        xt, yt = module.fed.train.client(c)
+        for _ in range(2):
+            leaves = {n: v.requires_grad_(True) for n, v in w.items()}
+            g = torch.autograd.grad(F.cross_entropy(_hand_forward(leaves, xt, layer_norm), yt), list(leaves.values()))
+            w = {n: (v - 0.5 * d).detach() for (n, v), d in zip(leaves.items(), g)}
+        x, y = module.fed.test.client(c)
+        out = _hand_forward(w, x, layer_norm)
         assert scores.total[c] == x.shape[0]
         assert scores.correct[c] == float((out.argmax(1) == y).sum())
         expected = float(F.cross_entropy(out.float(), y, reduction="sum")) if x.shape[0] else 0.0

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
+from torch.nn import functional as F
 
 from fl_lightning.algorithms.apfl import APFL
 from fl_lightning.algorithms.base import Algorithm
@@ -314,3 +315,38 @@ def test_an_objective_sees_each_clients_side_information(name: str, optimizer: s
         for n, v in upd.upload.items():
             assert_close_finite(out.upload[n][k], v, rtol=TOL, atol=TOL, msg=f"upload {n} of client {k}")
         assert_close_finite(out.loss[k], upd.loss, rtol=TOL, atol=TOL)
+
+
+# ---- full-batch gradients (Per-FedAvg's evaluation-time adaptation) -------------------------------------------
+@pytest.mark.parametrize("net_name", ["mlp", "cnn", "side"])
+def test_full_gradient_is_each_clients_own_gradient_on_all_its_rows(net_name: str) -> None:
+    """``full_gradient`` on both contexts against plain autograd of each client's mean cross-entropy over all of
+    its rows with its own parameters; the clients have different sizes (padding on the stacked path), one has no
+    data (zeros), and the side-branch network gets each client's own side vector."""
+    torch.manual_seed(4)
+    net = {"mlp": mlp, "cnn": cnn, "side": side_net}[net_name]().train()
+    xs, ys = client_data()
+    xs, ys = [*xs, xs[0][:0]], [*ys, ys[0][:0]]  # a fourth client without data
+    sides = [torch.randn(3, generator=gen(30 + k)) for k in range(4)] if net_name == "side" else None
+    own = [{n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen(40 + k)) for n, p in net.named_parameters()}
+           for k in range(4)]  # fmt: skip
+    names = [n for n, _ in net.named_parameters() if not n.startswith("body.0")] if net_name == "mlp" else None
+    names = names or [n for n, _ in net.named_parameters()]
+    vctx = VectorizedContext(net, list(range(4)), xs, ys, sides, settings(), per_sample_loss_for(CLASSES),
+                             [gen(k) for k in range(4)], None, 0, 0, [1.0] * 4)  # fmt: skip
+    stacked_grads = vctx.full_gradient(stack(own), names)
+    for k in range(4):
+        leaves = {n: v.clone().requires_grad_(n in names) for n, v in own[k].items()}
+        if xs[k].shape[0]:
+            kwargs = {} if sides is None else {"side": sides[k].expand(xs[k].shape[0], 3)}
+            loss = F.cross_entropy(functional_call(net, leaves, (xs[k],), kwargs), ys[k])
+            expected = dict(zip(names, torch.autograd.grad(loss, [leaves[n] for n in names])))
+        else:
+            expected = {n: torch.zeros_like(own[k][n]) for n in names}
+        ctx = ClientContext(net, k, xs[k], ys[k], None if sides is None else sides[k], settings(),
+                            loss_fn_for(CLASSES), gen(k))  # fmt: skip
+        sequential_grads = ctx.full_gradient(own[k], names)
+        assert set(stacked_grads) == set(sequential_grads) == set(names)
+        for n in names:
+            assert_close_finite(sequential_grads[n], expected[n], rtol=TOL, atol=1e-6, msg=f"{n} of client {k}")
+            assert_close_finite(stacked_grads[n][k], expected[n], rtol=TOL, atol=1e-6, msg=f"{n} of client {k}")
