@@ -8,6 +8,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -357,15 +358,22 @@ def test_sgd_default_min_batch_steps_on_a_single_sample_batch_and_weight_decay()
     assert int(ctx.steps_taken) == 3
 
 
-@pytest.mark.parametrize("max_steps", [3, 1])
-def test_sgd_max_steps_stops_exactly(max_steps: int) -> None:
-    """``max_steps`` with 3 batches per epoch and 2 epochs: exactly that many steps, and with one step
-    ``train_loss`` is that minibatch's loss."""
+def test_sgd_max_steps_stops_exactly() -> None:
+    """``max_steps`` with 3 batches per epoch and 2 epochs: exactly that many steps (with one step ``train_loss`` is
+    that minibatch's loss); a function ``(num_samples, step_budget) -> steps`` is asked with the client's own."""
     net, (x, y) = _net(), _data(10)
-    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4))
-    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=max_steps)
-    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=max_steps))
-    assert int(ctx.steps_taken) == max_steps
+    asked: list[tuple[int, float]] = []
+
+    def cap(n: int, budget: float) -> int:
+        asked.append((n, budget))
+        return 2
+
+    for max_steps, steps in ((3, 3), (1, 1), (cap, 2)):
+        ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4), step_budget=0.75)
+        out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=max_steps)
+        _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=steps))
+        assert int(ctx.steps_taken) == steps
+    assert asked == [(10, 0.75)]
 
 
 def test_sgd_straggler_budget_counts_only_batches_of_min_batch() -> None:
@@ -408,6 +416,24 @@ def test_sgd_plain_function_penalty_and_objective() -> None:
     _check(ctx, out, ref)
 
 
+def test_sgd_closed_form_penalty_gradient_is_added_to_the_loss_gradient() -> None:
+    """A ``Penalty`` with its gradient in closed form (½μ‖w‖² with μw) steps as the same penalty through autograd;
+    its value is in the reported loss."""
+    net, (x, y) = _net(), _data(10)
+    mu = 0.7
+    data = {"mu": torch.tensor(mu, dtype=torch.float64)}
+    penalty = Penalty(lambda q, d: 0.5 * d["mu"] * (q["weight"] ** 2).sum(), data,
+                      gradient=lambda q, d: {"weight": d["mu"] * q["weight"]})  # fmt: skip
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.05, momentum=0.5, batch_size=4))
+    out = ctx.sgd(_params(net), ["weight", "bias"], 1, penalty=penalty)
+
+    def loss(q: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        return F.mse_loss(xb @ q["weight"].T + q["bias"], yb) + 0.5 * mu * (q["weight"] ** 2).sum()
+
+    ref = _reference(_params(net), x, y, epochs=1, bs=4, lr=0.05, momentum=0.5, loss=loss)
+    _check(ctx, out, ref)
+
+
 def test_sgd_custom_gradient_plus_the_penalty_gradient() -> None:
     """With ``gradient``, the step direction is its gradient plus the penalty's gradient (μ·w for ½μ‖w‖²)."""
     net, (x, y) = _net(), _data(10)
@@ -435,6 +461,43 @@ def test_sgd_custom_gradient_plus_the_penalty_gradient() -> None:
         extra_grad=lambda q: {"weight": mu * q["weight"], "bias": torch.zeros_like(q["bias"])},
     )
     _check(ctx, out, ref)
+
+
+def _collect_values(q: dict[str, Tensor], xb: Tensor, yb: Tensor, d: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """An objective that reports 3 per sample instead of its loss, and collects values ``10·x + 1`` that do not
+    depend on the parameters being trained."""
+    per = (xb @ q["weight"].T + q["bias"]).squeeze(1) ** 2
+    return per, torch.full_like(per, 3.0), 10 * xb + 1
+
+
+def test_objective_collect_sums_the_last_epochs_values_by_class() -> None:
+    """``Objective.collect``: ``class_sums_seen`` holds the per-class sums and counts of the values the objective
+    returns, over the phase's last epoch only (2 epochs of 4 samples in batches of 2: every row once), in the
+    values' dtype; ``train_loss`` is the mean of what it reports; a phase that trains nothing leaves zeros on the
+    data's device (``meta`` stands in for an accelerator)."""
+    net, (x, _) = _net(), _data(4)
+    y = torch.tensor([0, 2, 1, 0])
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=2))
+    ctx.sgd(_params(net), ["weight", "bias"], 2, objective=Objective(_collect_values, collect=(3, 3)))
+    sums, counts = ctx.class_sums_seen
+    values, labels = (10 * x + 1).numpy(), y.numpy()
+    assert sums.dtype == counts.dtype == torch.float64
+    assert_close_finite(sums, np.stack([values[labels == c].sum(0) for c in range(3)]), rtol=1e-12, atol=0)
+    assert counts.tolist() == [2.0, 1.0, 1.0]
+    assert float(ctx.train_loss) == 3.0
+    meta = _ctx(net, x.to("meta"), y.to("meta"), ClientOptimizer(batch_size=4))
+    meta.sgd(_params(net), ["weight", "bias"], 0, objective=Objective(_collect_values, collect=(3, 3)))
+    assert [(t.device.type, tuple(t.shape)) for t in meta.class_sums_seen] == [("meta", (3, 3)), ("meta", (3,))]
+
+
+def test_objective_collect_sums_on_the_datas_device() -> None:
+    """A phase that trains on another device (``meta`` here) collects its class sums there."""
+    net, (x, _) = _net(), _data(4)
+    y = torch.tensor([0, 2, 1, 0])
+    meta = _ctx(net, x.to("meta"), y.to("meta"), ClientOptimizer(batch_size=4))
+    meta.sgd({n: v.to("meta") for n, v in _params(net).items()}, ["weight", "bias"], 1,
+             objective=Objective(_collect_values, collect=(3, 3)))  # fmt: skip
+    assert [(t.device.type, tuple(t.shape)) for t in meta.class_sums_seen] == [("meta", (3, 3)), ("meta", (3,))]
 
 
 def test_sgd_continues_from_the_kept_momentum_and_saves_it_back() -> None:
@@ -632,27 +695,33 @@ def test_build_lr_argument_sets_every_group() -> None:
 
 
 def test_from_config_without_a_factory_keeps_the_given_settings() -> None:
-    """No factory: the given settings, and the spec defaults (lr 0.01, momentum 0.5, no decay, batch 10)."""
+    """No factory: the given settings, and the spec defaults (lr 0.01, momentum 0.5, no decay, batch 10, every
+    partial batch trained)."""
     assert ClientOptimizer.from_config(None) == ClientOptimizer(0.01, 0.5, 0.0, 10, True, None)
-    got = ClientOptimizer.from_config(None, 0.2, 0.8, 0.1, 7, False)
-    assert (got.lr, got.momentum, got.weight_decay, got.batch_size, got.decay_bias, got.factory) == (
-        0.2, 0.8, 0.1, 7, False, None)  # fmt: skip
+    got = ClientOptimizer.from_config(None, 0.2, 0.8, 0.1, 7, False, drop_last=True)
+    assert (got.lr, got.momentum, got.weight_decay, got.batch_size, got.decay_bias, got.factory, got.drop_last) == (
+        0.2, 0.8, 0.1, 7, False, None, True)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("factory", "expected"),
-    [
-        (functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1), (0.3, 0.9, 0.1)),
-        (functools.partial(torch.optim.Adam, lr=0.002), (0.002, 0.0, 0.0)),
-        (functools.partial(torch.optim.Rprop, lr=0.04), (0.04, 0.0, 0.0)),
-    ],
-)
-def test_from_config_with_a_factory_reads_its_init_args(factory: Callable, expected: tuple) -> None:
-    """With a factory, lr / momentum / weight decay are the optimiser's own (0 where it has none); batch size and
-    ``decay_bias`` are the given ones; the factory is kept."""
-    got = ClientOptimizer.from_config(factory, lr=0.01, momentum=0.5, weight_decay=0.3, batch_size=7, decay_bias=False)
-    assert (got.lr, got.momentum, got.weight_decay) == pytest.approx(expected)
-    assert (got.batch_size, got.decay_bias, got.factory) == (7, False, factory)
+# a factory's (lr, momentum, weight decay): Adam has no momentum, Rprop neither momentum nor weight decay (torch's
+# defaults name no such key), which read as 0
+FACTORIES = [
+    (functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1), (0.3, 0.9, 0.1)),
+    (functools.partial(torch.optim.Adam, lr=0.002), (0.002, 0.0, 0.0)),
+    (functools.partial(torch.optim.Rprop, lr=0.04), (0.04, 0.0, 0.0)),
+]
+
+
+def test_from_config_with_a_factory_reads_its_init_args() -> None:
+    """With a factory, lr / momentum / weight decay are the optimiser's own (0 where it has none); batch size,
+    ``decay_bias`` and ``drop_last`` are the given ones; the factory is kept. (One test for all factories: each
+    one's case runs under ``make mutation``'s per-function test cap.)"""
+    assert {"momentum", "weight_decay"}.isdisjoint(torch.optim.Rprop([torch.zeros(1)]).defaults)
+    for factory, expected in FACTORIES:
+        got = ClientOptimizer.from_config(factory, lr=0.01, momentum=0.5, weight_decay=0.3, batch_size=7,
+                                          decay_bias=False, drop_last=True)  # fmt: skip
+        assert (got.lr, got.momentum, got.weight_decay) == pytest.approx(expected), factory
+        assert (got.batch_size, got.decay_bias, got.factory, got.drop_last) == (7, False, factory, True)
 
 
 def test_state_template_shapes_follow_the_parameters() -> None:
@@ -780,12 +849,22 @@ class FakeTensor:
         return self
 
 
-@pytest.mark.parametrize("kind", ["cuda", "meta"])
-def test_to_device_moves_to_the_device_it_is_given(kind: str) -> None:
-    t, device = FakeTensor(), torch.device(kind, 0) if kind == "cuda" else torch.device(kind)
-    to_device(t, device)
-    assert t.pinned == (kind == "cuda")
-    assert t.moves == [((device,), {"non_blocking": True} if kind == "cuda" else {})]
+def test_the_task_loss_is_cross_entropy_or_half_the_mean_squared_error() -> None:
+    """Classification: cross-entropy; regression: ½·MSE (spec 000 eq. 5), here against numpy."""
+    out = torch.tensor([[1.0, 2.0], [0.0, -1.0], [3.0, 0.5]], dtype=torch.float64)
+    y = torch.tensor([[0.5, 2.0], [1.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
+    assert_close_finite(loss_fn_for(None)(out, y), 0.5 * np.mean((out.numpy() - y.numpy()) ** 2), rtol=1e-12, atol=0)
+    assert loss_fn_for(2) is F.cross_entropy
+
+
+def test_to_device_moves_to_the_device_it_is_given() -> None:
+    """To CUDA through pinned memory without blocking, to another device (``meta``) by a plain ``to``; both to the
+    device given (no CUDA needed: ``FakeTensor`` records the calls)."""
+    for kind in ("cuda", "meta"):
+        t, device = FakeTensor(), torch.device(kind, 0) if kind == "cuda" else torch.device(kind)
+        assert to_device(t, device) is t
+        assert t.pinned == (kind == "cuda")
+        assert t.moves == [((device,), {"non_blocking": True} if kind == "cuda" else {})]
 
 
 def test_derive_seed_is_a_63_bit_function_of_the_parts() -> None:
@@ -905,30 +984,30 @@ BN1D_WARNING = (
 )
 
 
-@pytest.mark.parametrize(
-    ("batchnorm", "samples", "drop_last", "steps", "warned"),
-    [(True, 9, False, 2, True), (True, 8, False, 2, False), (True, 10, False, 3, False), (True, 9, True, 2, False),
-     (False, 9, False, 3, False)],
-)
 def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(
-    batchnorm: bool, samples: int, drop_last: bool, steps: int, warned: bool,
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
-    run says so once; 8 or 10 samples (no batch of one), ``drop_last`` (asked for) or no BatchNorm1d say nothing."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
-    net = _MLP()
-    net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
-    x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
-    y = torch.arange(samples) % 2
-    ctx = client_context(net, x, y, loss=F.cross_entropy,
-                         optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
-    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
-    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        ctx.sgd(params, ctx.param_names, epochs=1)
-        ctx.sgd(params, ctx.param_names, epochs=1)
-    assert int(ctx.steps_taken) == steps
-    assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
+    run says so once, over two phases; ``drop_last`` (asked for: 2 steps), 8 samples (no batch of one) or no
+    BatchNorm1d (3 steps) say nothing. (One test for all cases: each runs under ``make mutation``'s test cap.)"""
+    cases = [(True, 9, False, 2, True), (True, 9, True, 2, False), (True, 8, False, 2, False),
+             (False, 9, False, 3, False)]  # (BatchNorm1d, samples, drop_last, steps, warned)
+    for batchnorm, samples, drop_last, steps, warned in cases:
+        monkeypatch.setattr(client_module, "_WARNED", set())
+        caplog.clear()
+        net = _MLP()
+        net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
+        x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
+        y = torch.arange(samples) % 2
+        ctx = client_context(net, x, y, loss=F.cross_entropy,
+                             optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))  # fmt: skip
+        params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()),
+                                                      **dict(net.named_buffers())}.items()}  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+            for _ in range(2 if warned else 1):
+                ctx.sgd(params, ctx.param_names, epochs=1)
+        assert int(ctx.steps_taken) == steps
+        assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
 
 
 def test_factory_name_names_the_class_a_factory_builds() -> None:
