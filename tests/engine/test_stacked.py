@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -465,10 +466,9 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("name", list(RULES))
-def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> None:
-    """The stacked optimiser rule, with client k joining at step k (masked as the executor masks), gives each
-    client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
+def _steps_each_client_as_its_torch_optimizer(name: str) -> None:
+    """The stacked optimiser rule ``RULES[name]``, with client k joining at step k (masked as the executor masks),
+    gives each client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
     from fl_lightning.engine.stacked import batched_rule
 
     cls, hyper = RULES[name]
@@ -495,8 +495,21 @@ def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> Non
         for t in range(k, steps):
             leaf.grad = grads[t, k].clone()
             opt.step()
-        assert_close_finite(p[k], leaf.detach(), rtol=1e-12, atol=1e-12, msg=f"client {k}")
-    assert not torch.equal(p[0], start[0])
+        assert_close_finite(p[k], leaf.detach(), rtol=1e-12, atol=1e-12, msg=f"{name}: client {k}")
+    assert not torch.equal(p[0], start[0]), name
+
+
+# one test per rule family, every case in it: each case runs under ``make mutation``'s per-function test cap
+def test_batched_sgd_steps_each_client_as_torch_sgd() -> None:
+    for name in RULES:
+        if name.startswith("sgd"):
+            _steps_each_client_as_its_torch_optimizer(name)
+
+
+def test_batched_adam_steps_each_client_as_torch_adam() -> None:
+    for name in RULES:
+        if name.startswith("adam"):
+            _steps_each_client_as_its_torch_optimizer(name)
 
 
 def test_batched_rule_is_none_without_a_batched_form() -> None:
@@ -581,21 +594,23 @@ def test_sequential_forward_runs_a_side_free_split_body_on_its_fast_path_and_ref
         sequential_forward(masked, dict(masked.named_parameters()), x)
 
 
-@pytest.mark.parametrize("start,end", [(1, -1), (0, -1), (-2, -1), (0, 1), (1, 2)])
-def test_stacked_forward_flatten_and_linear_equal_each_clients_module(start: int, end: int) -> None:
+def test_stacked_forward_flatten_and_linear_equal_each_clients_module() -> None:
     """Per client k, ``stacked_forward`` is the module on ``x[k]`` with client k's weights: ``Flatten`` with
-    positive and negative dims, ``Linear`` with and without bias, inside a ``Sequential``."""
+    positive and negative dims, ``Linear`` with and without bias, inside a ``Sequential``. (One test for all dims:
+    each case runs under ``make mutation``'s per-function test cap.)"""
     torch.manual_seed(0)
-    flat = nn.Flatten(start, end)
     x = torch.randn(3, 2, 2, 3, 4, generator=torch.Generator().manual_seed(6))  # [K, B, 2, 3, 4]
-    width = flat(x[0]).shape[-1]
-    module = nn.Sequential(flat, nn.Linear(width, 5), nn.GELU(), nn.Linear(5, 2, bias=False))
-    assert stackable(module)
-    g = torch.Generator().manual_seed(8)
-    params = {n: torch.randn(3, *p.shape, generator=g) for n, p in module.named_parameters()}
-    got = stacked_forward(module, params, x)
-    for k in range(3):
-        assert_close_finite(got[k], plain_forward(module, unstack(params, k), x[k]), rtol=1e-5, atol=1e-6)
+    for start, end in [(1, -1), (0, -1), (-2, -1), (-3, -2), (0, 1), (1, 2)]:
+        flat = nn.Flatten(start, end)
+        width = flat(x[0]).shape[-1]
+        module = nn.Sequential(flat, nn.Linear(width, 5), nn.GELU(), nn.Linear(5, 2, bias=False))
+        assert stackable(module)
+        g = torch.Generator().manual_seed(8)
+        params = {n: torch.randn(3, *p.shape, generator=g) for n, p in module.named_parameters()}
+        got = stacked_forward(module, params, x)
+        for k in range(3):
+            expected = plain_forward(module, unstack(params, k), x[k])
+            assert_close_finite(got[k], expected, rtol=1e-5, atol=1e-6, msg=f"Flatten({start}, {end}), client {k}")
 
 
 def test_stackable_names_what_stacked_forward_computes() -> None:
@@ -725,6 +740,8 @@ def test_a_plain_penalty_function_is_added_to_every_clients_loss() -> None:
 
 
 def test_max_steps_stops_every_client() -> None:
+    """A number stops every client there; a function ``(num_samples, step_budget) -> steps`` is asked once per
+    client with its own size and budget, and each client stops at its own cap (full-batch steps here)."""
     xs, ys = data()
     net = nn.Linear(4, 3)
     params = stacked_params(net, 2)
@@ -732,6 +749,76 @@ def test_max_steps_stops_every_client() -> None:
     got = ctx.sgd(params, ["weight", "bias"], 3, max_steps=1)
     assert ctx.steps_taken.tolist() == [1, 1]
     check_clients(got, params, xs, (lambda x, y, k: linear_loss(x, y), ys), ["weight", "bias"], 1)
+    asked: list[tuple[int, float]] = []
+
+    def cap(n: int, budget: float) -> int:
+        asked.append((n, budget))
+        return n - 2  # client 0 (4 samples): 2 steps, client 1 (3 samples): 1 step
+
+    ctx = context_2(net, xs, ys)
+    ctx.step_budgets = [1.0, 0.9]  # both still allow all 3 epochs' steps (⌊0.9·3⌋ = 2 ≥ 1)
+    got = ctx.sgd(params, ["weight", "bias"], 3, max_steps=cap)
+    assert asked == [(4, 1.0), (3, 0.9)]
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, steps in enumerate([2, 1]):
+        want = reference(linear_loss(xs[k], ys[k]), unstack(params, k), ["weight", "bias"], steps)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+class ScaleAhead:
+    """An augmentation that draws ahead an integer per sample (the plan carries draws as integers, as crop offsets
+    and flips are) and applies ``x·(1 + s)``."""
+
+    def draw(self, n: int, g: torch.Generator) -> Tensor:
+        return torch.randint(0, 3, (n, 1), generator=g)
+
+    def apply(self, x: Tensor, drawn: Tensor) -> Tensor:
+        return x * (1 + drawn)
+
+
+def test_a_whole_network_phase_trains_on_each_clients_augmented_batches() -> None:
+    """Training the whole (stacked) network with an augmentation that draws ahead: each client's full batch is its
+    shuffled rows scaled by the scales it drew after its shuffle (its generator, ``epoch_draws``' order)."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    got = context_2(net, xs, ys, augment=ScaleAhead()).sgd(params, ["weight", "bias"], 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        g = torch.Generator().manual_seed(5 + k)  # context_2's generator of client k
+        perm = torch.randperm(x.shape[0], generator=g)
+        scaled = x[perm] * (1 + torch.randint(0, 3, (x.shape[0], 1), generator=g))
+        want = reference(linear_loss(scaled, y[perm]), unstack(params, k), ["weight", "bias"], 1)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+def _values_to_collect(q: Params, x: Tensor, y: Tensor, d: Params) -> tuple[Tensor, ...]:
+    """One client's per-sample losses, 3 per sample reported instead, and values ``10·x + 1`` to collect that do
+    not depend on the parameters."""
+    per = F.cross_entropy(x @ q["weight"].T + q["bias"], y, reduction="none")
+    return per, torch.full_like(per, 3.0), 10 * x + 1
+
+
+def test_objective_collect_sums_each_clients_last_epoch_by_class() -> None:
+    """``Objective.collect`` on the stacked path: ``class_sums_seen`` is ``[K, C, D]`` sums and ``[K, C]`` counts of
+    each client's values over its own last epoch (2 epochs in batches of 2: every row of the client once), against
+    numpy; ``train_loss`` is what the objective reports; a phase without epochs leaves zeros of those shapes."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    objective = Objective(_values_to_collect, collect=(3, 4))
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 0, objective=objective)
+    assert [tuple(t.shape) for t in ctx.class_sums_seen] == [(2, 3, 4), (2, 3)]
+    assert all(float(t.abs().sum()) == 0 for t in ctx.class_sums_seen)
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 2, objective=objective)
+    sums, counts = ctx.class_sums_seen
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        values, labels = (10 * x + 1).numpy(), y.numpy()
+        expected = np.stack([values[labels == c].sum(0) for c in range(3)])
+        assert_close_finite(sums[k], expected, rtol=1e-5, atol=1e-5, msg=f"client {k}")
+        assert counts[k].tolist() == np.bincount(labels, minlength=3).astype(float).tolist()
+    assert ctx.train_loss.tolist() == [3.0, 3.0]  # what the objective reports, not its loss
 
 
 def test_linear_networks_step_without_vmap(monkeypatch: pytest.MonkeyPatch) -> None:
