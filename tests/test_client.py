@@ -358,9 +358,20 @@ def test_sgd_default_min_batch_steps_on_a_single_sample_batch_and_weight_decay()
     assert int(ctx.steps_taken) == 3
 
 
-def test_sgd_max_steps_stops_exactly() -> None:
-    """``max_steps`` with 3 batches per epoch and 2 epochs: exactly that many steps (with one step ``train_loss`` is
-    that minibatch's loss); a function ``(num_samples, step_budget) -> steps`` is asked with the client's own."""
+@pytest.mark.parametrize("max_steps", [3, 1])
+def test_sgd_max_steps_stops_exactly(max_steps: int) -> None:
+    """``max_steps`` with 3 batches per epoch and 2 epochs: exactly that many steps, and with one step
+    ``train_loss`` is that minibatch's loss."""
+    net, (x, y) = _net(), _data(10)
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4))
+    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=max_steps)
+    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=max_steps))
+    assert int(ctx.steps_taken) == max_steps
+
+
+def test_sgd_max_steps_function_is_asked_with_the_clients_size_and_budget() -> None:
+    """``max_steps`` as a function ``(num_samples, step_budget) -> steps``: asked once with the client's own, and
+    its answer caps the phase (2 of the 3 steps a budget of ¾ allows)."""
     net, (x, y) = _net(), _data(10)
     asked: list[tuple[int, float]] = []
 
@@ -368,11 +379,9 @@ def test_sgd_max_steps_stops_exactly() -> None:
         asked.append((n, budget))
         return 2
 
-    for max_steps, steps in ((3, 3), (1, 1), (cap, 2)):
-        ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4), step_budget=0.75)
-        out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=max_steps)
-        _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=steps))
-        assert int(ctx.steps_taken) == steps
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4), step_budget=0.75)
+    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=cap)
+    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=2))
     assert asked == [(10, 0.75)]
 
 
@@ -984,30 +993,44 @@ BN1D_WARNING = (
 )
 
 
-def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) -> tuple[int, list[str]]:
+    """(steps of the last phase, warnings logged) of ``phases`` one-epoch phases of an MLP with (or without) a
+    ``BatchNorm1d`` on ``samples`` samples in batches of 4."""
+    net = _MLP()
+    net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
+    x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(samples) % 2
+    ctx = client_context(net, x, y, loss=F.cross_entropy, optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("fl_lightning")
+    logger.addHandler(handler)
+    try:
+        for _ in range(phases):
+            ctx.sgd(params, ctx.param_names, epochs=1)
+    finally:
+        logger.removeHandler(handler)
+    return int(ctx.steps_taken), records
+
+
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
-    run says so once, over two phases; ``drop_last`` (asked for: 2 steps), 8 samples (no batch of one) or no
-    BatchNorm1d (3 steps) say nothing. (One test for all cases: each runs under ``make mutation``'s test cap.)"""
-    cases = [(True, 9, False, 2, True), (True, 9, True, 2, False), (True, 8, False, 2, False),
-             (False, 9, False, 3, False)]  # (BatchNorm1d, samples, drop_last, steps, warned)
-    for batchnorm, samples, drop_last, steps, warned in cases:
-        monkeypatch.setattr(client_module, "_WARNED", set())
-        caplog.clear()
-        net = _MLP()
-        net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
-        x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
-        y = torch.arange(samples) % 2
-        ctx = client_context(net, x, y, loss=F.cross_entropy,
-                             optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))  # fmt: skip
-        params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()),
-                                                      **dict(net.named_buffers())}.items()}  # fmt: skip
-        with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-            for _ in range(2 if warned else 1):
-                ctx.sgd(params, ctx.param_names, epochs=1)
-        assert int(ctx.steps_taken) == steps
-        assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
+    run says so once over two phases; with ``drop_last`` (asked for) it also takes 2 steps and says nothing."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 9, False, 2) == (2, [BN1D_WARNING])
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 9, True, 1) == (2, [])
+
+
+@pytest.mark.parametrize(("batchnorm", "samples", "steps"), [(True, 8, 2), (True, 10, 3), (False, 9, 3)])
+def test_no_batch_of_one_or_no_batchnorm1d_says_nothing(
+    batchnorm: bool, samples: int, steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 or 10 samples in batches of 4 (no batch of one) or no BatchNorm1d: every batch steps, nothing is said."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(batchnorm, samples, False, 1) == (steps, [])
 
 
 def test_factory_name_names_the_class_a_factory_builds() -> None:
