@@ -786,19 +786,24 @@ def minibatch_reference(
     n: int,
     bs: int,
     bufs: Params | None = None,
+    lr: float = LR,
+    min_batch: int = 1,
 ) -> tuple[Params, float, Params]:
-    """One epoch of client ``k``'s minibatch momentum SGD (momentum 0.5, ``LR``) written out on ``context_2``'s
-    generator: its shuffle, then batches of ``bs`` rows ``idx`` in order, each a step on ``loss_of(params, idx)``,
-    continuing from momentum buffers ``bufs`` when given. Returns (params, mean step loss, momentum buffers)."""
+    """One epoch of client ``k``'s minibatch momentum SGD (momentum 0.5) written out on ``context_2``'s generator:
+    its shuffle, then batches of ``bs`` rows ``idx`` in order (those of fewer than ``min_batch`` skipped), each a
+    step on ``loss_of(params, idx)``, continuing from momentum buffers ``bufs`` when given. Returns (params, mean
+    step loss, momentum buffers)."""
     g = torch.Generator().manual_seed(5 + k)
     p, buf, losses = {m: v.clone() for m, v in params.items()}, dict(bufs or {}), []
     perm = torch.randperm(n, generator=g)
     for i in range(0, n, bs):
+        if len(perm[i : i + bs]) < min_batch:
+            continue
         leaves = {m: v.clone().requires_grad_(m in trainable) for m, v in p.items()}
         value = loss_of(leaves, perm[i : i + bs])
         for m, grad in zip(trainable, torch.autograd.grad(value, [leaves[m] for m in trainable])):
             buf[m] = grad if m not in buf else 0.5 * buf[m] + grad
-            p[m] = p[m] - LR * buf[m]
+            p[m] = p[m] - lr * buf[m]
         losses.append(float(value.detach()))
     return p, sum(losses) / len(losses), buf
 
@@ -871,6 +876,54 @@ def test_kept_momentum_continues_per_client_and_counts_each_clients_steps() -> N
             assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
             kept_buf = ctx.optimizer_state[state_name("momentum_buffer", n)][k]
             assert_close_finite(kept_buf, buf[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n} buffer")
+
+
+def test_one_client_trains_with_the_phases_lr_and_drops_its_partial_batch() -> None:
+    """A context of one client trains it (a cohort of one is not empty); the phase's ``lr`` replaces the round's,
+    and ``drop_last`` skips the client's last batch of 1 (3 samples in batches of 2: one step)."""
+    xs, ys = data(sizes=(3,))
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 1)
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2, drop_last=True))
+    got = ctx.sgd(params, ["weight", "bias"], 1, lr=0.05)
+    assert ctx.steps_taken.tolist() == [1]
+
+    def loss_of(p: Params, idx: Tensor) -> Tensor:
+        return F.cross_entropy(xs[0][idx] @ p["weight"].T + p["bias"], ys[0][idx])
+
+    want, _, _ = minibatch_reference(loss_of, unstack(params, 0), ["weight", "bias"], 0, 3, 2, lr=0.05, min_batch=2)
+    for n in params:
+        assert_close_finite(got[n][0], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class _Recurrent(nn.Module):
+    """An LSTM over each sample's 4 features as a sequence of 2 steps, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(2, 3, batch_first=True), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
+        return self.head(self.lstm(x.view(x.shape[0], 2, 2))[0][:, -1])
+
+
+def test_a_recurrent_network_trains_its_clients_in_turn() -> None:
+    """A network with an LSTM (no batching rule for per-client weights) trains client by client: each client as
+    its own minibatch momentum SGD on the whole network (full batches)."""
+    torch.manual_seed(0)
+    xs, ys = data()
+    net = _Recurrent()
+    params = stacked_params(net, 2)
+    names = list(params)
+    got = context_2(net, xs, ys).sgd(params, names, 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
+        for n in names:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
 
 
 class ScaleAhead:
@@ -1140,10 +1193,7 @@ class DoublingAhead(Doubling):
         return 2.0 * x
 
 
-@pytest.mark.parametrize("augment", [Doubling(), DoublingAhead()], ids=["per_batch", "ahead"])
-def test_augmentations_are_applied_and_only_those_that_cannot_draw_ahead_run_in_turn(
-    augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _augmented_head_phase(augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
@@ -1158,6 +1208,19 @@ def test_augmentations_are_applied_and_only_those_that_cannot_draw_ahead_run_in_
         return lambda p: F.cross_entropy(2.0 * x @ p["head.weight"].T + p["head.bias"], y)
 
     check_clients(got, params, xs, (loss, ys), head, 1)
+
+
+# one test each (not parametrized): each runs under ``make mutation``'s per-function test cap
+def test_an_augmentation_that_draws_ahead_is_applied_on_the_stacked_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _augmented_head_phase(DoublingAhead(), monkeypatch, caplog)
+
+
+def test_an_augmentation_that_cannot_draw_ahead_is_applied_with_the_clients_in_turn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _augmented_head_phase(Doubling(), monkeypatch, caplog)
 
 
 # ---- head-only phases --------------------------------------------------------------------------------------------
