@@ -1103,6 +1103,16 @@ def test_what_a_batched_phase_builds_is_on_the_clients_device() -> None:
     ctx = context_2(net, xs, ys, optimizer=damped)
     out = ctx.sgd(params, ["weight", "bias"], 2)
     assert out["weight"].device == meta and ctx.train_loss.device == meta and ctx.train_loss.shape == (2,)
+
+
+def test_a_phase_without_steps_reports_its_zero_losses_on_the_clients_device() -> None:
+    """``max_steps=0`` on ``meta`` data (an accelerator's stand-in): the zero losses per client are on that device."""
+    meta = torch.device("meta")
+    xs = [torch.empty(4, 4, device=meta), torch.empty(3, 4, device=meta)]
+    ys = [torch.zeros(4, dtype=torch.long, device=meta), torch.zeros(3, dtype=torch.long, device=meta)]
+    net = nn.Linear(4, 3)
+    params = {n: torch.empty(2, *p.shape, device=meta) for n, p in net.named_parameters()}
+    ctx = context_2(net, xs, ys)
     ctx.sgd(params, ["weight", "bias"], 1, max_steps=0)
     assert ctx.train_loss.device == meta and ctx.train_loss.shape == (2,)
 
