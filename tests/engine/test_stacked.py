@@ -117,6 +117,22 @@ def test_context_state_lives_on_the_clients_device() -> None:
     assert ctx.steps_taken.dtype == torch.long and ctx.train_loss.dtype == torch.get_default_dtype()
 
 
+def test_a_fresh_context_lists_its_names_and_stacks_its_side_data() -> None:
+    """Before any phase: the trainable parameter names (frozen ones left out) and the buffer names in the network's
+    order, the clients' side vectors stacked ``[K, ...]``, no body pass made and nothing collected."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    net[2].bias.requires_grad_(False)
+    xs, ys = [torch.zeros(2, 4), torch.zeros(3, 4)], [torch.zeros(n, dtype=torch.long) for n in (2, 3)]
+    sides = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    ctx = VectorizedContext(net, [4, 7], xs, ys, sides, ClientOptimizer(), per_sample_loss_for(3),
+                            [torch.Generator(), torch.Generator()], None, 0, 0, [1.0, 1.0])  # fmt: skip
+    assert ctx.param_names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
+    assert ctx.buffer_names == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert torch.equal(ctx.sides, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert ctx.feature_passes == 0 and ctx.class_sums_seen is None and ctx.optimizer_state is None
+    assert context(xs, ys).sides is None
+
+
 def test_fresh_context_batch_loss_is_the_plain_loss() -> None:
     g = torch.Generator().manual_seed(3)
     xs, ys = [torch.randn(6, 4, generator=g)], [torch.randint(0, 3, (6,), generator=g)]
