@@ -33,6 +33,7 @@ from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
 from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.engine import test_module as module_tests
@@ -346,6 +347,11 @@ def test_vector_context_stacks_the_chosen_clients_rows_side_data_and_augmentatio
         assert torch.equal(ctx.xs[k], x) and torch.equal(ctx.ys[k], y)
     assert torch.equal(ctx.sides, module.fed.side[[2, 0]])
     assert ctx.augment is module.fed.augment
+    for k, c in enumerate([2, 0]):  # each client's own stream (seed, "train", round, client)
+        expected = torch.rand(3, generator=make_generator(module.fed.seed, "train", 5, c))
+        assert torch.equal(torch.rand(3, generator=ctx.generators[k]), expected)
+    out, y = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 0, 9, 3])
+    assert_close_finite(ctx.per_sample_loss(out, y), -torch.log_softmax(out, 1)[torch.arange(4), y])
 
 
 def test_stacked_updates_are_the_rows_lo_to_hi() -> None:
