@@ -57,16 +57,17 @@ def test_a_differentiable_optimizer_has_no_batched_form() -> None:
         assert isinstance(batched_rule(settings), expected)
 
 
-@pytest.mark.parametrize(("cls", "decoupled"), [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
-def test_adamw_is_decoupled_without_the_defaults_key(cls: type, decoupled: bool) -> None:
-    """Older torch (< 2.6) has no ``decoupled_weight_decay`` in ``defaults``: the class alone decides."""
-    settings = ClientOptimizer(factory=functools.partial(cls, lr=0.01))
-    probe = settings.probe()
-    probe.defaults.pop("decoupled_weight_decay", None)
-    object.__setattr__(settings, "probe", lambda: probe)
-    rule = batched_rule(settings)
-    assert isinstance(rule, BatchedAdam)
-    assert rule.decoupled is decoupled
+def test_adamw_is_decoupled_without_the_defaults_key() -> None:
+    """Older torch (< 2.6) has no ``decoupled_weight_decay`` in ``defaults``: the class alone decides (both classes
+    in one test: each runs under ``make mutation``'s per-function test cap)."""
+    for cls, decoupled in ((torch.optim.AdamW, True), (torch.optim.Adam, False)):
+        settings = ClientOptimizer(factory=functools.partial(cls, lr=0.01))
+        probe = settings.probe()
+        probe.defaults.pop("decoupled_weight_decay", None)
+        object.__setattr__(settings, "probe", lambda probe=probe: probe)
+        rule = batched_rule(settings)
+        assert isinstance(rule, BatchedAdam)
+        assert rule.decoupled is decoupled, cls
 
 
 def test_sgd_without_momentum_keeps_no_state() -> None:
