@@ -805,11 +805,13 @@ def minibatch_reference(
     bufs: Params | None = None,
     lr: float = LR,
     min_batch: int = 1,
+    dampening: float = 0.0,
 ) -> tuple[Params, float, Params]:
-    """One epoch of client ``k``'s minibatch momentum SGD (momentum 0.5) written out on ``context_2``'s generator:
-    its shuffle, then batches of ``bs`` rows ``idx`` in order (those of fewer than ``min_batch`` skipped), each a
-    step on ``loss_of(params, idx)``, continuing from momentum buffers ``bufs`` when given. Returns (params, mean
-    step loss, momentum buffers)."""
+    """One epoch of client ``k``'s minibatch momentum SGD (momentum 0.5, ``dampening``) written out on
+    ``context_2``'s generator: its shuffle, then batches of ``bs`` rows ``idx`` in order (those of fewer than
+    ``min_batch`` skipped), each a step on ``loss_of(params, idx)`` (which may update untrained tensors in place, as
+    BatchNorm updates its running statistics), continuing from momentum buffers ``bufs`` when given. Returns
+    (params, mean step loss, momentum buffers)."""
     g = torch.Generator().manual_seed(5 + k)
     p, buf, losses = {m: v.clone() for m, v in params.items()}, dict(bufs or {}), []
     perm = torch.randperm(n, generator=g)
@@ -818,8 +820,9 @@ def minibatch_reference(
             continue
         leaves = {m: v.clone().requires_grad_(m in trainable) for m, v in p.items()}
         value = loss_of(leaves, perm[i : i + bs])
+        p.update({m: v.detach() for m, v in leaves.items() if m not in trainable})
         for m, grad in zip(trainable, torch.autograd.grad(value, [leaves[m] for m in trainable])):
-            buf[m] = grad if m not in buf else 0.5 * buf[m] + grad
+            buf[m] = grad if m not in buf else 0.5 * buf[m] + (1 - dampening) * grad
             p[m] = p[m] - lr * buf[m]
         losses.append(float(value.detach()))
     return p, sum(losses) / len(losses), buf
@@ -869,7 +872,8 @@ def test_values_a_step_direction_sets_stay_with_the_clients_that_stepped() -> No
 
 def test_kept_momentum_continues_per_client_and_counts_each_clients_steps() -> None:
     """Kept state on the stacked path: each client continues from its own momentum buffers (not zeros) and step
-    counts (5 and 7), takes its own steps (2 and 1) and writes back its buffers and counts + steps."""
+    counts (5 and 7: no first step, so SGD's dampening 0.3 applies from the start), takes its own steps (2 and 1)
+    and writes back its buffers and counts + steps."""
     xs, ys = data(sizes=(4, 2))
     net = nn.Linear(4, 3)
     params = stacked_params(net, 2)
@@ -877,7 +881,8 @@ def test_kept_momentum_continues_per_client_and_counts_each_clients_steps() -> N
     bufs = {n: torch.randn(2, *p.shape, generator=g) for n, p in net.named_parameters()}
     kept = {state_name("steps", n): torch.tensor([5, 7]) for n in params}
     kept.update({state_name("momentum_buffer", n): bufs[n].clone() for n in params})
-    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    damped = functools.partial(torch.optim.SGD, lr=LR, momentum=0.5, dampening=0.3)
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer.from_config(damped, batch_size=2))
     ctx.optimizer_state = kept
     got = ctx.sgd(params, ["weight", "bias"], 1)
     assert ctx.optimizer_state[state_name("steps", "weight")].tolist() == [7, 8]
@@ -888,7 +893,7 @@ def test_kept_momentum_continues_per_client_and_counts_each_clients_steps() -> N
             return F.cross_entropy(x[idx] @ p["weight"].T + p["bias"], y[idx])
 
         want, _, buf = minibatch_reference(loss_of, unstack(params, k), ["weight", "bias"], k, x.shape[0], 2,
-                                           bufs=unstack(bufs, k))  # fmt: skip
+                                           bufs=unstack(bufs, k), dampening=0.3)  # fmt: skip
         for n in params:
             assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
             kept_buf = ctx.optimizer_state[state_name("momentum_buffer", n)][k]
@@ -941,6 +946,46 @@ def test_a_recurrent_network_trains_its_clients_in_turn() -> None:
         want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
         for n in names:
             assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+def test_batchnorm_clients_train_on_their_own_batch_statistics_and_skip_a_batch_of_one() -> None:
+    """A BatchNorm1d network on the stacked path: each client normalises with its own batches' statistics and ends
+    with its own running statistics, as torch's BatchNorm in train mode; the default ``min_batch`` skips client 1's
+    last batch of one sample (3 samples in batches of 2), so the clients take 2 and 1 steps."""
+    torch.manual_seed(0)
+    xs, ys = data()
+    xs = [x.double() for x in xs]  # float64: a batch of two has a tiny variance, float32 rounding shows
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
+    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
+    names = [n for n, _ in net.named_parameters()]
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    got = ctx.sgd(params, names, 1)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 2, min_batch=2)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
+
+
+def test_a_head_phase_with_an_objective_trains_on_the_objective() -> None:
+    """A head-only phase on a split network with an ``Objective`` (here twice the cross-entropy per sample) trains
+    on the objective, not on the network's loss over cached features."""
+    xs, ys = data()
+    net = SplitModel(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Linear(5, 3))
+    params = stacked_params(net, 2)
+    head = ["head.weight", "head.bias"]
+    ctx = context_2(net, xs, ys)
+
+    def twice(p: Params, x: Tensor, y: Tensor, d: Params) -> Tensor:
+        return 2 * ctx.per_sample_loss(ctx.forward(p, x), y)
+
+    got = ctx.sgd(params, head, 1, objective=Objective(twice))
+    check_clients(got, params, xs, (lambda x, y, k: lambda p: 2 * split_loss(x, y)(p), ys), head, 1)
 
 
 class ScaleAhead:
