@@ -509,6 +509,41 @@ def test_objective_collect_sums_on_the_datas_device() -> None:
     assert [(t.device.type, tuple(t.shape)) for t in meta.class_sums_seen] == [("meta", (3, 3)), ("meta", (3,))]
 
 
+def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets_values() -> None:
+    """A ``Gradient`` through ``ctx.batch_loss`` on a BatchNorm1d network (float64): each step normalises with the
+    batch's statistics and the running statistics move as torch's BatchNorm moves them in train mode; the untrained
+    value the direction sets (``2.bias`` + 1 per step) is taken. Against ``functional_call`` and momentum SGD written
+    out over the context's shuffle (2 batches of 3)."""
+    torch.manual_seed(0)
+    net = _Seq(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
+    start = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    start["1.running_var"] += 0.5  # not the default statistics, so that a fresh start would show
+    trained = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
+    opt = ClientOptimizer(lr=0.1, momentum=0.5, batch_size=3)
+    ctx = client_context(net, x, y, optimizer=opt, loss=F.cross_entropy, generator=_gen())
+
+    def gradient(p: dict[str, Tensor], xb: Tensor, yb: Tensor, m: Tensor) -> tuple[dict, Tensor, dict]:
+        g, loss = torch.func.grad_and_value(lambda q: ctx.batch_loss({**p, **q}, xb, yb, m))({n: p[n] for n in trained})
+        return g, loss, {"2.bias": p["2.bias"] + 1}
+
+    out = ctx.sgd(start, trained, 1, gradient=gradient)
+    want, buf = {n: v.clone() for n, v in start.items()}, {}
+    perm = torch.randperm(6, generator=_gen())
+    for idx in (perm[:3], perm[3:]):
+        leaves = {n: v.clone().requires_grad_(n in trained) for n, v in want.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x[idx],)), y[idx])  # updates the statistics
+        grads = dict(zip(trained, torch.autograd.grad(loss, [leaves[n] for n in trained])))
+        want.update({n: leaves[n].detach() for n in want if n not in trained})
+        for n in trained:
+            buf[n] = grads[n] if n not in buf else 0.5 * buf[n] + grads[n]
+            want[n] = want[n] - 0.1 * buf[n]
+        want["2.bias"] = want["2.bias"] + 1
+    for n in start:
+        assert_close_finite(out[n], want[n], rtol=1e-9, atol=1e-10, msg=n)
+
+
 def test_sgd_continues_from_the_kept_momentum_and_saves_it_back() -> None:
     """With a kept state (momentum buffers from earlier rounds, step counters 5), the phase starts from those
     buffers and writes the new ones back, counters + steps."""
