@@ -21,6 +21,7 @@ from fl_lightning.client import (
     ClientOptimizer,
     Objective,
     Penalty,
+    class_sum_step,
     derive_seed,
     draws_ahead,
     epoch_draws,
@@ -899,6 +900,36 @@ def test_the_task_loss_is_cross_entropy_or_half_the_mean_squared_error() -> None
     y = torch.tensor([[0.5, 2.0], [1.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
     assert_close_finite(loss_fn_for(None)(out, y), 0.5 * np.mean((out.numpy() - y.numpy()) ** 2), rtol=1e-12, atol=0)
     assert loss_fn_for(2) is F.cross_entropy
+
+
+def test_per_sample_loss_is_each_samples_task_loss() -> None:
+    """``ClientContext.per_sample_loss``: cross-entropy per sample, or the context's regression loss (½·MSE) of
+    each sample alone; their mean is the batch loss. Against by-hand formulas."""
+    g = torch.Generator().manual_seed(7)
+    out, labels, targets = torch.randn(4, 3, generator=g), torch.tensor([0, 2, 1, 2]), torch.randn(4, 3, generator=g)
+    x = torch.zeros(4, 3)
+    classification = client_context(nn.Linear(3, 3), x, labels, loss=loss_fn_for(3))
+    by_hand = -torch.log_softmax(out, 1)[torch.arange(4), labels]
+    assert_close_finite(classification.per_sample_loss(out, labels), by_hand)
+    regression = client_context(nn.Linear(3, 3), x, targets, loss=loss_fn_for(None))
+    by_hand = 0.5 * ((out - targets) ** 2).mean(1)
+    assert_close_finite(regression.per_sample_loss(out, targets), by_hand)
+    assert_close_finite(regression.per_sample_loss(out, targets).mean(), loss_fn_for(None)(out, targets))
+
+
+def test_class_sum_step_adds_weighted_rows_by_class_in_the_sums_dtype() -> None:
+    """``class_sum_step``: each row of ``values`` times its weight added to its class's sum, the weight to its
+    count (weights 1 when none are given), float32 values and weights into float64 sums; against numpy."""
+    sums = (torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    values, y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([2, 0, 2])
+    w = torch.tensor([2.0, 0.5, 1.0])
+    class_sum_step(sums, values, y, w)
+    class_sum_step(sums, values[:1], y[:1])
+    v, labels, weights = values.double().numpy(), y.numpy(), np.array([2.0, 0.5, 1.0, 1.0])
+    rows, row_labels = np.concatenate([v, v[:1]]), np.concatenate([labels, labels[:1]])
+    expected = np.stack([(rows * weights[:, None])[row_labels == c].sum(0) for c in range(3)])
+    assert_close_finite(sums[0], expected, rtol=1e-12, atol=0)
+    assert sums[1].tolist() == [0.5, 0.0, 4.0]
 
 
 def test_to_device_moves_to_the_device_it_is_given() -> None:
