@@ -19,6 +19,7 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
+    FunctionalBatchNorm,
     Objective,
     Penalty,
     class_sum_step,
@@ -930,6 +931,32 @@ def test_class_sum_step_adds_weighted_rows_by_class_in_the_sums_dtype() -> None:
     expected = np.stack([(rows * weights[:, None])[row_labels == c].sum(0) for c in range(3)])
     assert_close_finite(sums[0], expected, rtol=1e-12, atol=0)
     assert sums[1].tolist() == [0.5, 0.0, 4.0]
+
+
+def test_functional_batchnorm_chains_a_steps_passes_and_skips_layers_without_statistics() -> None:
+    """``FunctionalBatchNorm`` on a layer without running statistics then a tracking one (float64): nothing is new
+    before a step; two forward passes of one step chain their updates as torch's BatchNorm does in place (the
+    second pass starts from the first's statistics); the untracked layer is skipped, not the end of the list; a
+    counter comes back only when the parameters have one."""
+    net = nn.Sequential(nn.BatchNorm1d(3, track_running_stats=False), nn.BatchNorm1d(3)).double().train()
+    g = torch.Generator().manual_seed(2)
+    x1, x2 = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    ref(x1), ref(x2)  # torch's in-place updates
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    batchnorm = FunctionalBatchNorm(net)
+    assert batchnorm.updates(params) == {}
+    with batchnorm:
+        batchnorm.begin(torch.ones(5))
+        torch.func.functional_call(net, params, (x1,))
+        with batchnorm.rows(torch.ones(4)):
+            torch.func.functional_call(net, params, (x2,))
+        new = batchnorm.updates(params)
+        without_counter = batchnorm.updates({n: v for n, v in params.items() if n != "1.num_batches_tracked"})
+    assert sorted(new) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for n, v in new.items():
+        assert_close_finite(v, dict(ref.named_buffers())[n], rtol=1e-12, atol=1e-12, msg=n)
+    assert sorted(without_counter) == ["1.running_mean", "1.running_var"]
 
 
 def test_to_device_moves_to_the_device_it_is_given() -> None:
