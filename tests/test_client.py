@@ -22,6 +22,7 @@ from fl_lightning.client import (
     FunctionalBatchNorm,
     Objective,
     Penalty,
+    add_gradient,
     class_sum_step,
     derive_seed,
     draws_ahead,
@@ -957,6 +958,41 @@ def test_functional_batchnorm_chains_a_steps_passes_and_skips_layers_without_sta
     for n, v in new.items():
         assert_close_finite(v, dict(ref.named_buffers())[n], rtol=1e-12, atol=1e-12, msg=n)
     assert sorted(without_counter) == ["1.running_mean", "1.running_var"]
+
+
+def test_functional_batchnorm_of_one_channel_with_a_cumulative_average_equals_torch() -> None:
+    """One channel and ``momentum=None`` (the running statistics are the cumulative average, factor
+    1/num_batches_tracked), float64: two passes give torch's in-place statistics to 1e-12; installed but before a
+    step begins, the layer is torch's own BatchNorm."""
+    net = nn.Sequential(nn.BatchNorm1d(1, momentum=None)).double().train()
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(5, 1, generator=g, dtype=torch.float64), torch.randn(3, 1, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    first = ref(x1)
+    ref(x2)
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    batchnorm = FunctionalBatchNorm(net)
+    with batchnorm:
+        plain = {n: v.clone() for n, v in params.items()}
+        assert_close_finite(torch.func.functional_call(net, plain, (x1,)), first, rtol=1e-12, atol=1e-12)
+        batchnorm.begin(torch.ones(5))
+        torch.func.functional_call(net, params, (x1,))
+        with batchnorm.rows(torch.ones(3)):
+            torch.func.functional_call(net, params, (x2,))
+        new = batchnorm.updates(params)
+    for n, v in new.items():
+        assert_close_finite(v, dict(ref.named_buffers())[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_add_gradient_adds_to_the_named_leaves_and_starts_those_without_one() -> None:
+    """``add_gradient``: names that are not leaves are skipped (not the end of the list), a leaf with a gradient
+    gets the sum, a leaf without one gets a copy."""
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    a.grad = torch.ones(2)
+    grads = {"x": torch.full((2,), 5.0), "a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
+    add_gradient({"a": a, "b": b}, grads)
+    assert a.grad.tolist() == [2.0, 3.0] and b.grad.tolist() == [3.0, 4.0]
+    assert b.grad is not grads["b"]
 
 
 def test_to_device_moves_to_the_device_it_is_given() -> None:
