@@ -515,8 +515,9 @@ def test_objective_collect_sums_on_the_datas_device() -> None:
 def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets_values() -> None:
     """A ``Gradient`` through ``ctx.batch_loss`` on a BatchNorm1d network (float64): each step normalises with the
     batch's statistics and the running statistics move as torch's BatchNorm moves them in train mode; the untrained
-    value the direction sets (``2.bias`` + 1 per step) is taken. Against ``functional_call`` and momentum SGD written
-    out over the context's shuffle (2 batches of 3)."""
+    value the direction sets (``2.bias`` + 1 per step) is taken, and a penalty's closed-form gradient for one trained
+    tensor is added. Against ``functional_call`` and momentum SGD written out over the context's shuffle (2 batches
+    of 3); after the phase ``batch_loss`` is the plain loss."""
     torch.manual_seed(0)
     net = _Seq(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -531,7 +532,10 @@ def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets
         g, loss = torch.func.grad_and_value(lambda q: ctx.batch_loss({**p, **q}, xb, yb, m))({n: p[n] for n in trained})
         return g, loss, {"2.bias": p["2.bias"] + 1}
 
-    out = ctx.sgd(start, trained, 1, gradient=gradient)
+    mu = 0.3  # a penalty whose closed-form gradient names one of the trained tensors only
+    penalty = Penalty(lambda q, d: 0.5 * mu * (q["0.weight"] ** 2).sum(),
+                      gradient=lambda q, d: {"0.weight": mu * q["0.weight"]})  # fmt: skip
+    out = ctx.sgd(start, trained, 1, penalty, gradient=gradient)
     want, buf = {n: v.clone() for n, v in start.items()}, {}
     perm = torch.randperm(6, generator=_gen())
     for idx in (perm[:3], perm[3:]):
@@ -539,12 +543,17 @@ def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets
         loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x[idx],)), y[idx])  # updates the statistics
         grads = dict(zip(trained, torch.autograd.grad(loss, [leaves[n] for n in trained])))
         want.update({n: leaves[n].detach() for n in want if n not in trained})
+        grads["0.weight"] = grads["0.weight"] + mu * leaves["0.weight"].detach()
         for n in trained:
             buf[n] = grads[n] if n not in buf else 0.5 * buf[n] + grads[n]
             want[n] = want[n] - 0.1 * buf[n]
         want["2.bias"] = want["2.bias"] + 1
     for n in start:
         assert_close_finite(out[n], want[n], rtol=1e-9, atol=1e-10, msg=n)
+    with torch.no_grad():  # after the phase, batch_loss is the plain loss again (eval-mode statistics)
+        net.eval()
+        expected = F.cross_entropy(torch.func.functional_call(net, out, (x,)), y)
+        assert_close_finite(ctx.batch_loss(out, x, y), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_sgd_continues_from_the_kept_momentum_and_saves_it_back() -> None:
