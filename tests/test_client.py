@@ -516,8 +516,9 @@ def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets
     """A ``Gradient`` through ``ctx.batch_loss`` on a BatchNorm1d network (float64): each step normalises with the
     batch's statistics and the running statistics move as torch's BatchNorm moves them in train mode; the untrained
     value the direction sets (``2.bias`` + 1 per step) is taken, and a penalty's closed-form gradient for one trained
-    tensor is added. Against ``functional_call`` and momentum SGD written out over the context's shuffle (2 batches
-    of 3); after the phase ``batch_loss`` is the plain loss."""
+    tensor is added. Against ``functional_call`` and momentum SGD written out over the context's shuffle (3 batches
+    of 2: two values per channel, where the unbiased variance doubles); after the phase ``batch_loss`` is the plain
+    loss."""
     torch.manual_seed(0)
     net = _Seq(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -525,7 +526,7 @@ def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets
     start = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
     start["1.running_var"] += 0.5  # not the default statistics, so that a fresh start would show
     trained = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
-    opt = ClientOptimizer(lr=0.1, momentum=0.5, batch_size=3)
+    opt = ClientOptimizer(lr=0.1, momentum=0.5, batch_size=2)
     ctx = client_context(net, x, y, optimizer=opt, loss=F.cross_entropy, generator=_gen())
 
     def gradient(p: dict[str, Tensor], xb: Tensor, yb: Tensor, m: Tensor) -> tuple[dict, Tensor, dict]:
@@ -538,7 +539,7 @@ def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets
     out = ctx.sgd(start, trained, 1, penalty, gradient=gradient)
     want, buf = {n: v.clone() for n, v in start.items()}, {}
     perm = torch.randperm(6, generator=_gen())
-    for idx in (perm[:3], perm[3:]):
+    for idx in perm.split(2):
         leaves = {n: v.clone().requires_grad_(n in trained) for n, v in want.items()}
         loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x[idx],)), y[idx])  # updates the statistics
         grads = dict(zip(trained, torch.autograd.grad(loss, [leaves[n] for n in trained])))
