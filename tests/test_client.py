@@ -1154,13 +1154,19 @@ def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) ->
     return int(ctx.steps_taken), records
 
 
-def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
-    run says so once over two phases; with ``drop_last`` (asked for) it also takes 2 steps and says nothing."""
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 4: a BatchNorm1d client of 5 samples takes 1 step (the last batch, 1 sample, is skipped) and says
+    so; with ``drop_last`` (asked for) it also takes 1 step and says nothing."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 5, False, 1) == (1, [BN1D_WARNING])
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 5, True, 1) == (1, [])
+
+
+def test_the_batchnorm1d_skip_is_said_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two phases of a BatchNorm1d client of 9 samples in batches of 4: 2 steps each, one warning in all."""
     monkeypatch.setattr(client_module, "_WARNED", set())
     assert _bn1d_phases(True, 9, False, 2) == (2, [BN1D_WARNING])
-    monkeypatch.setattr(client_module, "_WARNED", set())
-    assert _bn1d_phases(True, 9, True, 1) == (2, [])
 
 
 @pytest.mark.parametrize(("batchnorm", "samples", "steps"), [(True, 8, 2), (True, 10, 3), (False, 9, 3)])
