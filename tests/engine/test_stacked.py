@@ -101,6 +101,8 @@ def test_a_context_without_clients_is_on_the_cpu_and_returns_its_parameters() ->
     ctx = context([], [])
     assert ctx.num_clients == 0
     assert ctx.device == torch.device("cpu")
+    counts = ctx.label_counts(3)
+    assert counts.shape == (0, 3) and counts.dtype == torch.long and counts.device == torch.device("cpu")
     assert ctx.train_loss.shape == (0,) and ctx.steps_taken.shape == (0,)
     assert ctx.steps_taken.dtype == torch.long
     params = {"weight": torch.zeros(0, 3, 4), "bias": torch.zeros(0, 3)}
@@ -852,6 +854,31 @@ def test_a_closed_form_penalty_gradient_joins_each_clients_steps() -> None:
 
         want, loss, _ = minibatch_reference(loss_of, unstack(params, k), ["weight", "bias"], k, x.shape[0], 2)
         for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+        assert_close_finite(ctx.train_loss[k], loss, rtol=1e-5, atol=1e-6, msg=f"client {k} loss")
+
+
+def test_a_closed_form_penalty_gradient_joins_each_clients_vmapped_steps() -> None:
+    """As above on a network that is not stacked (a LayerNorm: its steps are ``vmap``-ed): each client steps as its
+    own loss + ½μ_k‖W‖² through autograd (``functional_call``), with 2 and 1 steps."""
+    xs, ys = data(sizes=(4, 1))
+    net = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    params = stacked_params(net, 2)
+    mu = torch.tensor([0.5, 2.0])
+    penalty = Penalty(lambda p, d: 0.5 * d["mu"] * (p["0.weight"] ** 2).sum(), {"mu": mu},
+                      gradient=lambda p, d: {"0.weight": d["mu"] * p["0.weight"]})  # fmt: skip
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    names = list(params)
+    got = ctx.sgd(params, names, 1, penalty=penalty)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y, k: int = k) -> Tensor:
+            out = functional_call(net, p, (x[idx],))
+            return F.cross_entropy(out, y[idx]) + 0.5 * mu[k] * (p["0.weight"] ** 2).sum()
+
+        want, loss, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 2)
+        for n in names:
             assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
         assert_close_finite(ctx.train_loss[k], loss, rtol=1e-5, atol=1e-6, msg=f"client {k} loss")
 
