@@ -101,8 +101,7 @@ def test_a_context_without_clients_is_on_the_cpu_and_returns_its_parameters() ->
     ctx = context([], [])
     assert ctx.num_clients == 0
     assert ctx.device == torch.device("cpu")
-    counts = ctx.label_counts(3)
-    assert counts.shape == (0, 3) and counts.dtype == torch.long and counts.device == torch.device("cpu")
+
     assert ctx.train_loss.shape == (0,) and ctx.steps_taken.shape == (0,)
     assert ctx.steps_taken.dtype == torch.long
     params = {"weight": torch.zeros(0, 3, 4), "bias": torch.zeros(0, 3)}
@@ -134,6 +133,50 @@ def test_a_fresh_context_lists_its_names_and_stacks_its_side_data() -> None:
     assert torch.equal(ctx.sides, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
     assert ctx.feature_passes == 0 and ctx.class_sums_seen is None and ctx.optimizer_state is None
     assert context(xs, ys).sides is None
+
+
+def test_label_counts_of_a_context_without_clients_is_an_empty_table() -> None:
+    counts = context([], []).label_counts(3)
+    assert counts.shape == (0, 3) and counts.dtype == torch.long and counts.device == torch.device("cpu")
+
+
+def test_a_step_cap_function_is_asked_per_client_with_its_size_and_budget() -> None:
+    """``max_steps`` as a function: one cap per client from its own (size, budget); a number is every client's."""
+    xs, ys = data()
+    ctx = context_2(nn.Linear(4, 3), xs, ys)
+    ctx.step_budgets = [1.0, 0.5]
+    assert ctx._caps(lambda n, budget: (n, budget)) == [(4, 1.0), (3, 0.5)]
+    assert ctx._caps(3) == 3 and ctx._caps(None) is None
+
+
+def test_objective_collect_starts_with_zero_sums_per_client() -> None:
+    """A phase with an ``Objective.collect`` and no epochs: zero sums ``[K, C, D]`` and counts ``[K, C]``."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    ctx = context_2(net, xs, ys)
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 0, objective=Objective(_values_to_collect, collect=(3, 4)))
+    assert [tuple(t.shape) for t in ctx.class_sums_seen] == [(2, 3, 4), (2, 3)]
+    assert all(float(t.abs().sum()) == 0 for t in ctx.class_sums_seen)
+
+
+def test_batchnorm_clients_normalise_a_full_batch_with_its_own_statistics() -> None:
+    """One full-batch step of a BatchNorm1d network per client (float64): parameters and running statistics as
+    ``functional_call`` with torch's train-mode BatchNorm and one momentum SGD step give them."""
+    xs, ys = data()
+    xs = [x.double() for x in xs]
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
+    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
+    names = [n for n, _ in net.named_parameters()]
+    got = context_2(net, xs, ys).sgd(params, names, 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
 
 
 def test_fresh_context_batch_loss_is_the_plain_loss() -> None:
@@ -881,6 +924,22 @@ def test_a_closed_form_penalty_gradient_joins_each_clients_vmapped_steps() -> No
         for n in names:
             assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
         assert_close_finite(ctx.train_loss[k], loss, rtol=1e-5, atol=1e-6, msg=f"client {k} loss")
+
+
+def test_a_step_direction_gets_each_clients_penalty_gradient_added() -> None:
+    """A ``Gradient`` of all ones plus a penalty ½μ_k‖W‖² (no closed form): client k's one full-batch step is
+    ``W − lr·(1 + μ_k·W)`` and ``b − lr`` (the first momentum step is the gradient)."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    mu = torch.tensor([0.5, 2.0])
+    penalty = Penalty(lambda p, d: 0.5 * d["mu"] * (p["weight"] ** 2).sum(), {"mu": mu})
+    got = context_2(net, xs, ys).sgd(params, ["weight", "bias"], 1, penalty,
+                                     gradient=ones_gradient(["weight", "bias"]))  # fmt: skip
+    for k in range(2):
+        w, b = params["weight"][k], params["bias"][k]
+        assert_close_finite(got["weight"][k], w - LR * (1 + mu[k] * w), rtol=1e-6, atol=1e-7, msg=f"client {k}")
+        assert_close_finite(got["bias"][k], b - LR, rtol=1e-6, atol=1e-7, msg=f"client {k}")
 
 
 def test_values_a_step_direction_sets_stay_with_the_clients_that_stepped() -> None:
