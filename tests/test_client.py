@@ -760,6 +760,15 @@ def test_from_config_without_a_factory_keeps_the_given_settings() -> None:
         0.2, 0.8, 0.1, 7, False, None, True)  # fmt: skip
 
 
+def test_from_config_with_sgd_reads_its_init_args() -> None:
+    """A factory (SGD with lr 0.3, momentum 0.9, weight decay 0.1): those three are its own, batch size,
+    ``decay_bias`` and ``drop_last`` the given ones, the factory kept."""
+    factory = functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1)
+    got = ClientOptimizer.from_config(factory, 0.01, 0.5, 0.3, 7, False, drop_last=True)
+    assert (got.lr, got.momentum, got.weight_decay) == pytest.approx((0.3, 0.9, 0.1))
+    assert (got.batch_size, got.decay_bias, got.factory, got.drop_last) == (7, False, factory, True)
+
+
 # a factory's (lr, momentum, weight decay): Adam has no momentum, Rprop neither momentum nor weight decay (torch's
 # defaults name no such key), which read as 0
 FACTORIES = [
