@@ -8,6 +8,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -18,8 +19,11 @@ from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
     ClientOptimizer,
+    FunctionalBatchNorm,
     Objective,
     Penalty,
+    add_gradient,
+    class_sum_step,
     derive_seed,
     draws_ahead,
     epoch_draws,
@@ -368,6 +372,22 @@ def test_sgd_max_steps_stops_exactly(max_steps: int) -> None:
     assert int(ctx.steps_taken) == max_steps
 
 
+def test_sgd_max_steps_function_is_asked_with_the_clients_size_and_budget() -> None:
+    """``max_steps`` as a function ``(num_samples, step_budget) -> steps``: asked once with the client's own, and
+    its answer caps the phase (2 of the 3 steps a budget of ¾ allows)."""
+    net, (x, y) = _net(), _data(10)
+    asked: list[tuple[int, float]] = []
+
+    def cap(n: int, budget: float) -> int:
+        asked.append((n, budget))
+        return 2
+
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=4), step_budget=0.75)
+    out = ctx.sgd(_params(net), ["weight", "bias"], 2, max_steps=cap)
+    _check(ctx, out, _reference(_params(net), x, y, epochs=2, bs=4, lr=0.1, momentum=0.5, max_steps=2))
+    assert asked == [(10, 0.75)]
+
+
 def test_sgd_straggler_budget_counts_only_batches_of_min_batch() -> None:
     """Budget ½ over 2 epochs of 10 samples in batches of 4 with ``min_batch`` 3: 2 steppable batches per epoch,
     so ⌊½·2·2⌋ = 2 steps."""
@@ -408,6 +428,24 @@ def test_sgd_plain_function_penalty_and_objective() -> None:
     _check(ctx, out, ref)
 
 
+def test_sgd_closed_form_penalty_gradient_is_added_to_the_loss_gradient() -> None:
+    """A ``Penalty`` with its gradient in closed form (½μ‖w‖² with μw) steps as the same penalty through autograd;
+    its value is in the reported loss."""
+    net, (x, y) = _net(), _data(10)
+    mu = 0.7
+    data = {"mu": torch.tensor(mu, dtype=torch.float64)}
+    penalty = Penalty(lambda q, d: 0.5 * d["mu"] * (q["weight"] ** 2).sum(), data,
+                      gradient=lambda q, d: {"weight": d["mu"] * q["weight"]})  # fmt: skip
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.05, momentum=0.5, batch_size=4))
+    out = ctx.sgd(_params(net), ["weight", "bias"], 1, penalty=penalty)
+
+    def loss(q: dict[str, Tensor], xb: Tensor, yb: Tensor) -> Tensor:
+        return F.mse_loss(xb @ q["weight"].T + q["bias"], yb) + 0.5 * mu * (q["weight"] ** 2).sum()
+
+    ref = _reference(_params(net), x, y, epochs=1, bs=4, lr=0.05, momentum=0.5, loss=loss)
+    _check(ctx, out, ref)
+
+
 def test_sgd_custom_gradient_plus_the_penalty_gradient() -> None:
     """With ``gradient``, the step direction is its gradient plus the penalty's gradient (μ·w for ½μ‖w‖²)."""
     net, (x, y) = _net(), _data(10)
@@ -435,6 +473,88 @@ def test_sgd_custom_gradient_plus_the_penalty_gradient() -> None:
         extra_grad=lambda q: {"weight": mu * q["weight"], "bias": torch.zeros_like(q["bias"])},
     )
     _check(ctx, out, ref)
+
+
+def _collect_values(q: dict[str, Tensor], xb: Tensor, yb: Tensor, d: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """An objective that reports 3 per sample instead of its loss, and collects values ``10·x + 1`` that do not
+    depend on the parameters being trained."""
+    per = (xb @ q["weight"].T + q["bias"]).squeeze(1) ** 2
+    return per, torch.full_like(per, 3.0), 10 * xb + 1
+
+
+def test_objective_collect_sums_the_last_epochs_values_by_class() -> None:
+    """``Objective.collect``: ``class_sums_seen`` holds the per-class sums and counts of the values the objective
+    returns, over the phase's last epoch only (2 epochs of 4 samples in batches of 2: every row once), in the
+    values' dtype; ``train_loss`` is the mean of what it reports; a phase that trains nothing leaves zeros on the
+    data's device (``meta`` stands in for an accelerator)."""
+    net, (x, _) = _net(), _data(4)
+    y = torch.tensor([0, 2, 1, 0])
+    ctx = _ctx(net, x, y, ClientOptimizer(lr=0.1, momentum=0.5, batch_size=2))
+    ctx.sgd(_params(net), ["weight", "bias"], 2, objective=Objective(_collect_values, collect=(3, 3)))
+    sums, counts = ctx.class_sums_seen
+    values, labels = (10 * x + 1).numpy(), y.numpy()
+    assert sums.dtype == counts.dtype == torch.float64
+    assert_close_finite(sums, np.stack([values[labels == c].sum(0) for c in range(3)]), rtol=1e-12, atol=0)
+    assert counts.tolist() == [2.0, 1.0, 1.0]
+    assert float(ctx.train_loss) == 3.0
+    meta = _ctx(net, x.to("meta"), y.to("meta"), ClientOptimizer(batch_size=4))
+    meta.sgd(_params(net), ["weight", "bias"], 0, objective=Objective(_collect_values, collect=(3, 3)))
+    assert [(t.device.type, tuple(t.shape)) for t in meta.class_sums_seen] == [("meta", (3, 3)), ("meta", (3,))]
+
+
+def test_objective_collect_sums_on_the_datas_device() -> None:
+    """A phase that trains on another device (``meta`` here) collects its class sums there."""
+    net, (x, _) = _net(), _data(4)
+    y = torch.tensor([0, 2, 1, 0])
+    meta = _ctx(net, x.to("meta"), y.to("meta"), ClientOptimizer(batch_size=4))
+    meta.sgd({n: v.to("meta") for n, v in _params(net).items()}, ["weight", "bias"], 1,
+             objective=Objective(_collect_values, collect=(3, 3)))  # fmt: skip
+    assert [(t.device.type, tuple(t.shape)) for t in meta.class_sums_seen] == [("meta", (3, 3)), ("meta", (3,))]
+
+
+def test_a_step_direction_on_a_batchnorm_network_updates_its_statistics_and_sets_values() -> None:
+    """A ``Gradient`` through ``ctx.batch_loss`` on a BatchNorm1d network (float64): each step normalises with the
+    batch's statistics and the running statistics move as torch's BatchNorm moves them in train mode; the untrained
+    value the direction sets (``2.bias`` + 1 per step) is taken, and a penalty's closed-form gradient for one trained
+    tensor is added. Against ``functional_call`` and momentum SGD written out over the context's shuffle (3 batches
+    of 2: two values per channel, where the unbiased variance doubles); after the phase ``batch_loss`` is the plain
+    loss."""
+    torch.manual_seed(0)
+    net = _Seq(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    y = torch.tensor([0, 1, 1, 0, 1, 0])
+    start = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    start["1.running_var"] += 0.5  # not the default statistics, so that a fresh start would show
+    trained = ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
+    opt = ClientOptimizer(lr=0.1, momentum=0.5, batch_size=2)
+    ctx = client_context(net, x, y, optimizer=opt, loss=F.cross_entropy, generator=_gen())
+
+    def gradient(p: dict[str, Tensor], xb: Tensor, yb: Tensor, m: Tensor) -> tuple[dict, Tensor, dict]:
+        g, loss = torch.func.grad_and_value(lambda q: ctx.batch_loss({**p, **q}, xb, yb, m))({n: p[n] for n in trained})
+        return g, loss, {"2.bias": p["2.bias"] + 1}
+
+    mu = 0.3  # a penalty whose closed-form gradient names one of the trained tensors only
+    penalty = Penalty(lambda q, d: 0.5 * mu * (q["0.weight"] ** 2).sum(),
+                      gradient=lambda q, d: {"0.weight": mu * q["0.weight"]})  # fmt: skip
+    out = ctx.sgd(start, trained, 1, penalty, gradient=gradient)
+    want, buf = {n: v.clone() for n, v in start.items()}, {}
+    perm = torch.randperm(6, generator=_gen())
+    for idx in perm.split(2):
+        leaves = {n: v.clone().requires_grad_(n in trained) for n, v in want.items()}
+        loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x[idx],)), y[idx])  # updates the statistics
+        grads = dict(zip(trained, torch.autograd.grad(loss, [leaves[n] for n in trained])))
+        want.update({n: leaves[n].detach() for n in want if n not in trained})
+        grads["0.weight"] = grads["0.weight"] + mu * leaves["0.weight"].detach()
+        for n in trained:
+            buf[n] = grads[n] if n not in buf else 0.5 * buf[n] + grads[n]
+            want[n] = want[n] - 0.1 * buf[n]
+        want["2.bias"] = want["2.bias"] + 1
+    for n in start:
+        assert_close_finite(out[n], want[n], rtol=1e-9, atol=1e-10, msg=n)
+    with torch.no_grad():  # after the phase, batch_loss is the plain loss again (eval-mode statistics)
+        net.eval()
+        expected = F.cross_entropy(torch.func.functional_call(net, out, (x,)), y)
+        assert_close_finite(ctx.batch_loss(out, x, y), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_sgd_continues_from_the_kept_momentum_and_saves_it_back() -> None:
@@ -632,27 +752,42 @@ def test_build_lr_argument_sets_every_group() -> None:
 
 
 def test_from_config_without_a_factory_keeps_the_given_settings() -> None:
-    """No factory: the given settings, and the spec defaults (lr 0.01, momentum 0.5, no decay, batch 10)."""
+    """No factory: the given settings, and the spec defaults (lr 0.01, momentum 0.5, no decay, batch 10, every
+    partial batch trained)."""
     assert ClientOptimizer.from_config(None) == ClientOptimizer(0.01, 0.5, 0.0, 10, True, None)
-    got = ClientOptimizer.from_config(None, 0.2, 0.8, 0.1, 7, False)
-    assert (got.lr, got.momentum, got.weight_decay, got.batch_size, got.decay_bias, got.factory) == (
-        0.2, 0.8, 0.1, 7, False, None)  # fmt: skip
+    got = ClientOptimizer.from_config(None, 0.2, 0.8, 0.1, 7, False, drop_last=True)
+    assert (got.lr, got.momentum, got.weight_decay, got.batch_size, got.decay_bias, got.factory, got.drop_last) == (
+        0.2, 0.8, 0.1, 7, False, None, True)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("factory", "expected"),
-    [
-        (functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1), (0.3, 0.9, 0.1)),
-        (functools.partial(torch.optim.Adam, lr=0.002), (0.002, 0.0, 0.0)),
-        (functools.partial(torch.optim.Rprop, lr=0.04), (0.04, 0.0, 0.0)),
-    ],
-)
-def test_from_config_with_a_factory_reads_its_init_args(factory: Callable, expected: tuple) -> None:
-    """With a factory, lr / momentum / weight decay are the optimiser's own (0 where it has none); batch size and
-    ``decay_bias`` are the given ones; the factory is kept."""
-    got = ClientOptimizer.from_config(factory, lr=0.01, momentum=0.5, weight_decay=0.3, batch_size=7, decay_bias=False)
-    assert (got.lr, got.momentum, got.weight_decay) == pytest.approx(expected)
-    assert (got.batch_size, got.decay_bias, got.factory) == (7, False, factory)
+def test_from_config_with_sgd_reads_its_init_args() -> None:
+    """A factory (SGD with lr 0.3, momentum 0.9, weight decay 0.1): those three are its own, batch size,
+    ``decay_bias`` and ``drop_last`` the given ones, the factory kept."""
+    factory = functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1)
+    got = ClientOptimizer.from_config(factory, 0.01, 0.5, 0.3, 7, False, drop_last=True)
+    assert (got.lr, got.momentum, got.weight_decay) == pytest.approx((0.3, 0.9, 0.1))
+    assert (got.batch_size, got.decay_bias, got.factory, got.drop_last) == (7, False, factory, True)
+
+
+# a factory's (lr, momentum, weight decay): Adam has no momentum, Rprop neither momentum nor weight decay (torch's
+# defaults name no such key), which read as 0
+FACTORIES = [
+    (functools.partial(torch.optim.SGD, lr=0.3, momentum=0.9, weight_decay=0.1), (0.3, 0.9, 0.1)),
+    (functools.partial(torch.optim.Adam, lr=0.002), (0.002, 0.0, 0.0)),
+    (functools.partial(torch.optim.Rprop, lr=0.04), (0.04, 0.0, 0.0)),
+]
+
+
+def test_from_config_with_a_factory_reads_its_init_args() -> None:
+    """With a factory, lr / momentum / weight decay are the optimiser's own (0 where it has none); batch size,
+    ``decay_bias`` and ``drop_last`` are the given ones; the factory is kept. (One test for all factories: each
+    one's case runs under ``make mutation``'s per-function test cap.)"""
+    assert {"momentum", "weight_decay"}.isdisjoint(torch.optim.Rprop([torch.zeros(1)]).defaults)
+    for factory, expected in FACTORIES:
+        got = ClientOptimizer.from_config(factory, lr=0.01, momentum=0.5, weight_decay=0.3, batch_size=7,
+                                          decay_bias=False, drop_last=True)  # fmt: skip
+        assert (got.lr, got.momentum, got.weight_decay) == pytest.approx(expected), factory
+        assert (got.batch_size, got.decay_bias, got.factory, got.drop_last) == (7, False, factory, True)
 
 
 def test_state_template_shapes_follow_the_parameters() -> None:
@@ -780,12 +915,114 @@ class FakeTensor:
         return self
 
 
-@pytest.mark.parametrize("kind", ["cuda", "meta"])
-def test_to_device_moves_to_the_device_it_is_given(kind: str) -> None:
-    t, device = FakeTensor(), torch.device(kind, 0) if kind == "cuda" else torch.device(kind)
-    to_device(t, device)
-    assert t.pinned == (kind == "cuda")
-    assert t.moves == [((device,), {"non_blocking": True} if kind == "cuda" else {})]
+def test_the_task_loss_is_cross_entropy_or_half_the_mean_squared_error() -> None:
+    """Classification: cross-entropy; regression: ½·MSE (spec 000 eq. 5), here against numpy."""
+    out = torch.tensor([[1.0, 2.0], [0.0, -1.0], [3.0, 0.5]], dtype=torch.float64)
+    y = torch.tensor([[0.5, 2.0], [1.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
+    assert_close_finite(loss_fn_for(None)(out, y), 0.5 * np.mean((out.numpy() - y.numpy()) ** 2), rtol=1e-12, atol=0)
+    assert loss_fn_for(2) is F.cross_entropy
+
+
+def test_per_sample_loss_is_each_samples_task_loss() -> None:
+    """``ClientContext.per_sample_loss``: cross-entropy per sample, or the context's regression loss (½·MSE) of
+    each sample alone; their mean is the batch loss. Against by-hand formulas."""
+    g = torch.Generator().manual_seed(7)
+    out, labels, targets = torch.randn(4, 3, generator=g), torch.tensor([0, 2, 1, 2]), torch.randn(4, 3, generator=g)
+    x = torch.zeros(4, 3)
+    classification = client_context(nn.Linear(3, 3), x, labels, loss=loss_fn_for(3))
+    by_hand = -torch.log_softmax(out, 1)[torch.arange(4), labels]
+    assert_close_finite(classification.per_sample_loss(out, labels), by_hand)
+    regression = client_context(nn.Linear(3, 3), x, targets, loss=loss_fn_for(None))
+    by_hand = 0.5 * ((out - targets) ** 2).mean(1)
+    assert_close_finite(regression.per_sample_loss(out, targets), by_hand)
+    assert_close_finite(regression.per_sample_loss(out, targets).mean(), loss_fn_for(None)(out, targets))
+
+
+def test_class_sum_step_adds_weighted_rows_by_class_in_the_sums_dtype() -> None:
+    """``class_sum_step``: each row of ``values`` times its weight added to its class's sum, the weight to its
+    count (weights 1 when none are given), float32 values and weights into float64 sums; against numpy."""
+    sums = (torch.zeros(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    values, y = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), torch.tensor([2, 0, 2])
+    w = torch.tensor([2.0, 0.5, 1.0])
+    class_sum_step(sums, values, y, w)
+    class_sum_step(sums, values[:1], y[:1])
+    v, labels, weights = values.double().numpy(), y.numpy(), np.array([2.0, 0.5, 1.0, 1.0])
+    rows, row_labels = np.concatenate([v, v[:1]]), np.concatenate([labels, labels[:1]])
+    expected = np.stack([(rows * weights[:, None])[row_labels == c].sum(0) for c in range(3)])
+    assert_close_finite(sums[0], expected, rtol=1e-12, atol=0)
+    assert sums[1].tolist() == [0.5, 0.0, 4.0]
+
+
+def test_functional_batchnorm_chains_a_steps_passes_and_skips_layers_without_statistics() -> None:
+    """``FunctionalBatchNorm`` on a layer without running statistics then a tracking one (float64): nothing is new
+    before a step; two forward passes of one step chain their updates as torch's BatchNorm does in place (the
+    second pass starts from the first's statistics); the untracked layer is skipped, not the end of the list; a
+    counter comes back only when the parameters have one."""
+    net = nn.Sequential(nn.BatchNorm1d(3, track_running_stats=False), nn.BatchNorm1d(3)).double().train()
+    g = torch.Generator().manual_seed(2)
+    x1, x2 = torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    ref(x1), ref(x2)  # torch's in-place updates
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    batchnorm = FunctionalBatchNorm(net)
+    assert batchnorm.updates(params) == {}
+    with batchnorm:
+        batchnorm.begin(torch.ones(5))
+        torch.func.functional_call(net, params, (x1,))
+        with batchnorm.rows(torch.ones(4)):
+            torch.func.functional_call(net, params, (x2,))
+        new = batchnorm.updates(params)
+        without_counter = batchnorm.updates({n: v for n, v in params.items() if n != "1.num_batches_tracked"})
+    assert sorted(new) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for n, v in new.items():
+        assert_close_finite(v, dict(ref.named_buffers())[n], rtol=1e-12, atol=1e-12, msg=n)
+    assert sorted(without_counter) == ["1.running_mean", "1.running_var"]
+
+
+def test_functional_batchnorm_of_one_channel_with_a_cumulative_average_equals_torch() -> None:
+    """One channel and ``momentum=None`` (the running statistics are the cumulative average, factor
+    1/num_batches_tracked), float64: two passes give torch's in-place statistics to 1e-12; installed but before a
+    step begins, the layer is torch's own BatchNorm."""
+    net = nn.Sequential(nn.BatchNorm1d(1, momentum=None)).double().train()
+    net[0].num_batches_tracked.fill_(2)  # factors 1/3 and 1/4: 1/3 is not exact in float32
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(5, 1, generator=g, dtype=torch.float64), torch.randn(3, 1, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    first = ref(x1)
+    ref(x2)
+    params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
+    batchnorm = FunctionalBatchNorm(net)
+    with batchnorm:
+        plain = {n: v.clone() for n, v in params.items()}
+        assert_close_finite(torch.func.functional_call(net, plain, (x1,)), first, rtol=1e-12, atol=1e-12)
+        batchnorm.begin(torch.ones(5))
+        torch.func.functional_call(net, params, (x1,))
+        with batchnorm.rows(torch.ones(3)):
+            torch.func.functional_call(net, params, (x2,))
+        new = batchnorm.updates(params)
+    for n, v in new.items():
+        assert_close_finite(v, dict(ref.named_buffers())[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_add_gradient_adds_to_the_named_leaves_and_starts_those_without_one() -> None:
+    """``add_gradient``: names that are not leaves are skipped (not the end of the list), a leaf with a gradient
+    gets the sum, a leaf without one gets a copy."""
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    a.grad = torch.ones(2)
+    grads = {"x": torch.full((2,), 5.0), "a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
+    add_gradient({"a": a, "b": b}, grads)
+    assert a.grad.tolist() == [2.0, 3.0] and b.grad.tolist() == [3.0, 4.0]
+    assert b.grad is not grads["b"]
+
+
+def test_to_device_moves_to_the_device_it_is_given() -> None:
+    """To CUDA through pinned memory without blocking, to another device (``meta``) by a plain ``to``; both to the
+    device given (no CUDA needed: ``FakeTensor`` records the calls)."""
+    for kind in ("cuda", "meta"):
+        t, device = FakeTensor(), torch.device(kind, 0) if kind == "cuda" else torch.device(kind)
+        assert to_device(t, device) is t
+        assert t.pinned == (kind == "cuda")
+        assert t.moves == [((device,), {"non_blocking": True} if kind == "cuda" else {})]
 
 
 def test_derive_seed_is_a_63_bit_function_of_the_parts() -> None:
@@ -905,30 +1142,50 @@ BN1D_WARNING = (
 )
 
 
-@pytest.mark.parametrize(
-    ("batchnorm", "samples", "drop_last", "steps", "warned"),
-    [(True, 9, False, 2, True), (True, 8, False, 2, False), (True, 10, False, 3, False), (True, 9, True, 2, False),
-     (False, 9, False, 3, False)],
-)
-def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so_once(
-    batchnorm: bool, samples: int, drop_last: bool, steps: int, warned: bool,
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Batches of 4: a BatchNorm1d client of 9 samples takes 2 steps (the last batch, 1 sample, is skipped) and the
-    run says so once; 8 or 10 samples (no batch of one), ``drop_last`` (asked for) or no BatchNorm1d say nothing."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
+def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) -> tuple[int, list[str]]:
+    """(steps of the last phase, warnings logged) of ``phases`` one-epoch phases of an MLP with (or without) a
+    ``BatchNorm1d`` on ``samples`` samples in batches of 4."""
     net = _MLP()
     net[1] = nn.BatchNorm1d(4) if batchnorm else nn.ReLU()
     x = torch.randn(samples, 3, generator=torch.Generator().manual_seed(1))
     y = torch.arange(samples) % 2
-    ctx = client_context(net, x, y, loss=F.cross_entropy,
-                         optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
+    ctx = client_context(net, x, y, loss=F.cross_entropy, optimizer=ClientOptimizer(batch_size=4, drop_last=drop_last))
     params = {n: t.detach().clone() for n, t in {**dict(net.named_parameters()), **dict(net.named_buffers())}.items()}
-    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        ctx.sgd(params, ctx.param_names, epochs=1)
-        ctx.sgd(params, ctx.param_names, epochs=1)
-    assert int(ctx.steps_taken) == steps
-    assert [r.getMessage() for r in caplog.records] == ([BN1D_WARNING] if warned else [])
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("fl_lightning")
+    logger.addHandler(handler)
+    try:
+        for _ in range(phases):
+            ctx.sgd(params, ctx.param_names, epochs=1)
+    finally:
+        logger.removeHandler(handler)
+    return int(ctx.steps_taken), records
+
+
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 4: a BatchNorm1d client of 5 samples takes 1 step (the last batch, 1 sample, is skipped) and says
+    so; with ``drop_last`` (asked for) it also takes 1 step and says nothing."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 5, False, 1) == (1, [BN1D_WARNING])
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 5, True, 1) == (1, [])
+
+
+def test_the_batchnorm1d_skip_is_said_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two phases of a BatchNorm1d client of 9 samples in batches of 4: 2 steps each, one warning in all."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(True, 9, False, 2) == (2, [BN1D_WARNING])
+
+
+@pytest.mark.parametrize(("batchnorm", "samples", "steps"), [(True, 8, 2), (True, 10, 3), (False, 9, 3)])
+def test_no_batch_of_one_or_no_batchnorm1d_says_nothing(
+    batchnorm: bool, samples: int, steps: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 or 10 samples in batches of 4 (no batch of one) or no BatchNorm1d: every batch steps, nothing is said."""
+    monkeypatch.setattr(client_module, "_WARNED", set())
+    assert _bn1d_phases(batchnorm, samples, False, 1) == (steps, [])
 
 
 def test_factory_name_names_the_class_a_factory_builds() -> None:

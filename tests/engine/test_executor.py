@@ -26,14 +26,17 @@ from datamodules.augment import CropFlip
 from datamodules.base import FederatedDataModule
 from datamodules.digits import load_digits_tensors
 from fl_lightning.algorithms import Algorithm, FedAvg, FedRep, LinearFedAvg
+from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
 from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
+from tests.engine import test_module as module_tests
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.training import make_trainer
 
@@ -112,11 +115,12 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("algorithm", "net", "device", "workload", "asked", "expected"), CASES.values(), ids=CASES)
-def test_each_reason(algorithm, net, device, workload, asked, expected) -> None:
-    decision = choose_path(algorithm, net, device, workload, asked)
-    assert (decision.path, decision.reason, decision.fallback) == expected
-    assert decision.stacked is (expected[0] == "stacked")
+def test_each_reason() -> None:
+    """Every case of ``CASES`` (one test for all: each case runs under ``make mutation``'s per-function test cap)."""
+    for case, (algorithm, net, device, workload, asked, expected) in CASES.items():
+        decision = choose_path(algorithm, net, device, workload, asked)
+        assert (decision.path, decision.reason, decision.fallback) == expected, case
+        assert decision.stacked is (expected[0] == "stacked"), case
 
 
 def test_the_cpu_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,3 +326,97 @@ def test_planned_clients_is_this_ranks_share_of_the_configured_cohort() -> None:
     assert executor.planned_clients(module, 2) == 1
     module._trainer.datamodule = None
     assert executor.planned_clients(module, 2) == 2
+
+
+# ---- decide, the contexts and the round's clients ---------------------------------------------------------------
+def _tiny_module(**kwargs: Any) -> FederatedModule:
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)), **kwargs)
+    module.attach_data(TinyDigits().build())
+    return module
+
+
+def test_decide_reads_the_datas_augmentation_and_the_rounds_client_optimizer() -> None:
+    """``decide`` asks ``choose_path`` about the data's augmentation and the round's client optimiser: one that
+    cannot draw ahead, or an optimiser without a batched form, runs the loop (3 clients would stack)."""
+    assert executor.decide(_tiny_module(), 3) == choose_path(FedAvg(1), MLP, CPU, Workload(3))
+    drawn_inside = _tiny_module()
+    drawn_inside.fed.augment = _plain_augment
+    assert executor.decide(drawn_inside, 3).reason == "the augmentation cannot draw ahead"
+    rmsprop = _tiny_module(client_optimizer=torch.optim.RMSprop)
+    assert executor.decide(rmsprop, 3).reason == "client optimizer RMSprop has no batched form"
+
+
+def test_decide_says_its_choice_once_for_a_run_that_has_not_said_it(caplog: pytest.LogCaptureFixture) -> None:
+    """A run object without the ``_executor_logged`` mark (a ``FederatedRun`` that is not a ``FederatedModule``) has
+    not said its choice yet: the first ``decide`` says it, the next does not."""
+    run = _tiny_module()
+    del run._executor_logged
+    with caplog.at_level(logging.INFO, logger="fl_lightning"):
+        executor.decide(run, 3)
+        executor.decide(run, 3)
+    said = [m for m in _said(caplog, logging.INFO) if m.startswith("executor")]
+    assert said == ["executor: stacked (FedAvg is vectorizable, 3 clients at a time on the cpu)"]
+
+
+def test_vector_context_stacks_the_chosen_clients_rows_side_data_and_augmentation() -> None:
+    """``vector_context`` builds the stacked context of the given clients in their order: their training rows, their
+    side vectors, the data's augmentation, the round, seed and budgets."""
+    module = _tiny_module()
+    module.fed.side = torch.arange(CLIENTS * 2, dtype=torch.float32).view(CLIENTS, 2)
+    module.fed.augment = CropFlip()
+    ctx = executor.vector_context(module, [2, 0], 5, [1.0, 0.5])
+    assert ctx.clients == [2, 0] and ctx.round == 5 and ctx.seed == module.fed.seed and ctx.step_budgets == [1.0, 0.5]
+    for k, c in enumerate([2, 0]):
+        x, y = module.fed.train.client(c)
+        assert torch.equal(ctx.xs[k], x) and torch.equal(ctx.ys[k], y)
+    assert torch.equal(ctx.sides, module.fed.side[[2, 0]])
+    assert ctx.augment is module.fed.augment
+    for k, c in enumerate([2, 0]):  # each client's own stream (seed, "train", round, client)
+        expected = torch.rand(3, generator=make_generator(module.fed.seed, "train", 5, c))
+        assert torch.equal(torch.rand(3, generator=ctx.generators[k]), expected)
+    out, y = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)), torch.tensor([1, 0, 9, 3])
+    assert_close_finite(ctx.per_sample_loss(out, y), -torch.log_softmax(out, 1)[torch.arange(4), y])
+
+
+def test_stacked_updates_are_the_rows_lo_to_hi() -> None:
+    """Rows ``lo:hi`` of a stacked update, one ``ClientUpdate`` per row: upload, state with the kept rows merged,
+    the client's size, loss and metrics."""
+    upd = ClientUpdate({"w": torch.arange(8.0).view(4, 2)}, {"s": torch.arange(4.0)}, 4, torch.tensor([0.0, 1, 2, 3]),
+                       {"m": torch.tensor([10.0, 11, 12, 13])})  # fmt: skip
+    ctx = SimpleNamespace(num_samples=[5, 6, 7, 8])
+    kept = {"client_optimizer.steps.w": torch.tensor([1, 2, 3, 4])}
+    got = executor.stacked_updates(upd, ctx, kept, 1, 3)
+    assert len(got) == 2
+    for u, k in zip(got, (1, 2)):
+        assert torch.equal(u.upload["w"], torch.tensor([2.0 * k, 2.0 * k + 1]))
+        assert u.state == {"s": float(k), "client_optimizer.steps.w": k + 1}
+        assert (u.num_samples, float(u.loss), float(u.metrics["m"])) == (5 + k, float(k), 10.0 + k)
+
+
+def test_run_clients_of_a_module_without_trainer_stack_its_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a trainer the clients at hand decide: 3 clients of a vectorizable method stack, with the updates of
+    the sequential loop."""
+    glob = {n: p.detach().clone() for n, p in _tiny_module().net.named_parameters()}
+    seq, auto = _tiny_module(executor="sequential"), _tiny_module()
+    auto.net.load_state_dict(seq.net.state_dict())
+    calls = {"stacked": 0}
+    original = executor.vector_context
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls["stacked"] += 1
+        return original(*args, **kwargs)
+
+    want = executor.run_clients(seq, [0, 1, 2], 0, glob, [{}, {}, {}], [1.0] * 3)
+    monkeypatch.setattr(executor, "vector_context", counted)
+    got = executor.run_clients(auto, [0, 1, 2], 0, glob, [{}, {}, {}], [1.0] * 3)
+    assert calls["stacked"] == 1
+    for a, b in zip(got, want):
+        assert a.num_samples == b.num_samples
+        for n in b.upload:
+            assert_close_finite(a.upload[n], b.upload[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_run_clients_passes_kept_state_through_the_stacked_context() -> None:
+    """The stacked case of ``tests/engine/test_module.py``'s kept-state test, as a test of its own (``make
+    mutation`` runs the fastest case of a parametrized test only)."""
+    module_tests.test_kept_optimizer_state_goes_in_through_the_context_and_comes_back_in_the_state("vectorized")

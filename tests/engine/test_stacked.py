@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -56,16 +57,17 @@ def test_a_differentiable_optimizer_has_no_batched_form() -> None:
         assert isinstance(batched_rule(settings), expected)
 
 
-@pytest.mark.parametrize(("cls", "decoupled"), [(torch.optim.AdamW, True), (torch.optim.Adam, False)])
-def test_adamw_is_decoupled_without_the_defaults_key(cls: type, decoupled: bool) -> None:
-    """Older torch (< 2.6) has no ``decoupled_weight_decay`` in ``defaults``: the class alone decides."""
-    settings = ClientOptimizer(factory=functools.partial(cls, lr=0.01))
-    probe = settings.probe()
-    probe.defaults.pop("decoupled_weight_decay", None)
-    object.__setattr__(settings, "probe", lambda: probe)
-    rule = batched_rule(settings)
-    assert isinstance(rule, BatchedAdam)
-    assert rule.decoupled is decoupled
+def test_adamw_is_decoupled_without_the_defaults_key() -> None:
+    """Older torch (< 2.6) has no ``decoupled_weight_decay`` in ``defaults``: the class alone decides (both classes
+    in one test: each runs under ``make mutation``'s per-function test cap)."""
+    for cls, decoupled in ((torch.optim.AdamW, True), (torch.optim.Adam, False)):
+        settings = ClientOptimizer(factory=functools.partial(cls, lr=0.01))
+        probe = settings.probe()
+        probe.defaults.pop("decoupled_weight_decay", None)
+        object.__setattr__(settings, "probe", lambda probe=probe: probe)
+        rule = batched_rule(settings)
+        assert isinstance(rule, BatchedAdam)
+        assert rule.decoupled is decoupled, cls
 
 
 def test_sgd_without_momentum_keeps_no_state() -> None:
@@ -99,6 +101,7 @@ def test_a_context_without_clients_is_on_the_cpu_and_returns_its_parameters() ->
     ctx = context([], [])
     assert ctx.num_clients == 0
     assert ctx.device == torch.device("cpu")
+
     assert ctx.train_loss.shape == (0,) and ctx.steps_taken.shape == (0,)
     assert ctx.steps_taken.dtype == torch.long
     params = {"weight": torch.zeros(0, 3, 4), "bias": torch.zeros(0, 3)}
@@ -114,6 +117,66 @@ def test_context_state_lives_on_the_clients_device() -> None:
     assert ctx.train_loss.device.type == "meta" and ctx.train_loss.shape == (2,)
     assert ctx.steps_taken.device.type == "meta" and ctx.steps_taken.shape == (2,)
     assert ctx.steps_taken.dtype == torch.long and ctx.train_loss.dtype == torch.get_default_dtype()
+
+
+def test_a_fresh_context_lists_its_names_and_stacks_its_side_data() -> None:
+    """Before any phase: the trainable parameter names (frozen ones left out) and the buffer names in the network's
+    order, the clients' side vectors stacked ``[K, ...]``, no body pass made and nothing collected."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    net[2].bias.requires_grad_(False)
+    xs, ys = [torch.zeros(2, 4), torch.zeros(3, 4)], [torch.zeros(n, dtype=torch.long) for n in (2, 3)]
+    sides = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+    ctx = VectorizedContext(net, [4, 7], xs, ys, sides, ClientOptimizer(), per_sample_loss_for(3),
+                            [torch.Generator(), torch.Generator()], None, 0, 0, [1.0, 1.0])  # fmt: skip
+    assert ctx.param_names == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight"]
+    assert ctx.buffer_names == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    assert torch.equal(ctx.sides, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert ctx.feature_passes == 0 and ctx.class_sums_seen is None and ctx.optimizer_state is None
+    assert context(xs, ys).sides is None
+
+
+def test_label_counts_of_a_context_without_clients_is_an_empty_table() -> None:
+    counts = context([], []).label_counts(3)
+    assert counts.shape == (0, 3) and counts.dtype == torch.long and counts.device == torch.device("cpu")
+
+
+def test_a_step_cap_function_is_asked_per_client_with_its_size_and_budget() -> None:
+    """``max_steps`` as a function: one cap per client from its own (size, budget); a number is every client's."""
+    xs, ys = data()
+    ctx = context_2(nn.Linear(4, 3), xs, ys)
+    ctx.step_budgets = [1.0, 0.5]
+    assert ctx._caps(lambda n, budget: (n, budget)) == [(4, 1.0), (3, 0.5)]
+    assert ctx._caps(3) == 3 and ctx._caps(None) is None
+
+
+def test_objective_collect_starts_with_zero_sums_per_client() -> None:
+    """A phase with an ``Objective.collect`` and no epochs: zero sums ``[K, C, D]`` and counts ``[K, C]``."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    ctx = context_2(net, xs, ys)
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 0, objective=Objective(_values_to_collect, collect=(3, 4)))
+    assert [tuple(t.shape) for t in ctx.class_sums_seen] == [(2, 3, 4), (2, 3)]
+    assert all(float(t.abs().sum()) == 0 for t in ctx.class_sums_seen)
+
+
+def test_batchnorm_clients_normalise_a_full_batch_with_its_own_statistics() -> None:
+    """One full-batch step of a BatchNorm1d network per client (float64): parameters and running statistics as
+    ``functional_call`` with torch's train-mode BatchNorm and one momentum SGD step give them."""
+    xs, ys = data()
+    xs = [x.double() for x in xs]
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
+    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
+    names = [n for n, _ in net.named_parameters()]
+    got = context_2(net, xs, ys).sgd(params, names, 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
 
 
 def test_fresh_context_batch_loss_is_the_plain_loss() -> None:
@@ -465,10 +528,9 @@ RULES = {
 }
 
 
-@pytest.mark.parametrize("name", list(RULES))
-def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> None:
-    """The stacked optimiser rule, with client k joining at step k (masked as the executor masks), gives each
-    client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
+def _steps_each_client_as_its_torch_optimizer(name: str) -> None:
+    """The stacked optimiser rule ``RULES[name]``, with client k joining at step k (masked as the executor masks),
+    gives each client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
     from fl_lightning.engine.stacked import batched_rule
 
     cls, hyper = RULES[name]
@@ -495,8 +557,30 @@ def test_batched_rules_step_each_client_as_its_torch_optimizer(name: str) -> Non
         for t in range(k, steps):
             leaf.grad = grads[t, k].clone()
             opt.step()
-        assert_close_finite(p[k], leaf.detach(), rtol=1e-12, atol=1e-12, msg=f"client {k}")
-    assert not torch.equal(p[0], start[0])
+        assert_close_finite(p[k], leaf.detach(), rtol=1e-12, atol=1e-12, msg=f"{name}: client {k}")
+    assert not torch.equal(p[0], start[0]), name
+
+
+# a few rules per test, every case in it: each case runs under ``make mutation``'s per-function test cap (the
+# fastest tests that call a function), which sees one case of a parametrized test
+def test_batched_sgd_steps_each_client_as_torch_sgd() -> None:
+    for name in ("sgd_plain", "sgd_maximize_wd"):
+        _steps_each_client_as_its_torch_optimizer(name)
+
+
+def test_batched_sgd_with_momentum_maximizing_steps_each_client_as_torch_sgd() -> None:
+    _steps_each_client_as_its_torch_optimizer("sgd_momentum_maximize")
+
+
+def test_batched_sgd_with_dampening_or_nesterov_steps_each_client_as_torch_sgd() -> None:
+    for name in ("sgd_dampening", "sgd_nesterov"):
+        _steps_each_client_as_its_torch_optimizer(name)
+
+
+def test_batched_adam_steps_each_client_as_torch_adam() -> None:
+    for name in RULES:
+        if name.startswith("adam"):
+            _steps_each_client_as_its_torch_optimizer(name)
 
 
 def test_batched_rule_is_none_without_a_batched_form() -> None:
@@ -581,7 +665,7 @@ def test_sequential_forward_runs_a_side_free_split_body_on_its_fast_path_and_ref
         sequential_forward(masked, dict(masked.named_parameters()), x)
 
 
-@pytest.mark.parametrize("start,end", [(1, -1), (0, -1), (-2, -1), (0, 1), (1, 2)])
+@pytest.mark.parametrize("start,end", [(1, -1), (0, -1), (-2, -1), (-3, -2), (0, 1), (1, 2)])
 def test_stacked_forward_flatten_and_linear_equal_each_clients_module(start: int, end: int) -> None:
     """Per client k, ``stacked_forward`` is the module on ``x[k]`` with client k's weights: ``Flatten`` with
     positive and negative dims, ``Linear`` with and without bias, inside a ``Sequential``."""
@@ -596,6 +680,15 @@ def test_stacked_forward_flatten_and_linear_equal_each_clients_module(start: int
     got = stacked_forward(module, params, x)
     for k in range(3):
         assert_close_finite(got[k], plain_forward(module, unstack(params, k), x[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_forward_keeps_negative_flatten_dims_as_they_are() -> None:
+    """A negative ``Flatten`` dim counts from the end, which the client dim in front does not move:
+    ``Flatten(-3, -2)`` on ``[K, B, 2, 3, 4]`` gives each client's ``[B, 6, 4]``."""
+    flat = nn.Flatten(-3, -2)
+    x = torch.randn(2, 2, 2, 3, 4, generator=torch.Generator().manual_seed(6))
+    assert stacked_forward(flat, {}, x).shape == (2, 2, 6, 4)
+    assert torch.equal(stacked_forward(flat, {}, x)[1], x[1].reshape(2, 6, 4))
 
 
 def test_stackable_names_what_stacked_forward_computes() -> None:
@@ -725,6 +818,8 @@ def test_a_plain_penalty_function_is_added_to_every_clients_loss() -> None:
 
 
 def test_max_steps_stops_every_client() -> None:
+    """A number stops every client there; a function ``(num_samples, step_budget) -> steps`` is asked once per
+    client with its own size and budget, and each client stops at its own cap (full-batch steps here)."""
     xs, ys = data()
     net = nn.Linear(4, 3)
     params = stacked_params(net, 2)
@@ -732,6 +827,310 @@ def test_max_steps_stops_every_client() -> None:
     got = ctx.sgd(params, ["weight", "bias"], 3, max_steps=1)
     assert ctx.steps_taken.tolist() == [1, 1]
     check_clients(got, params, xs, (lambda x, y, k: linear_loss(x, y), ys), ["weight", "bias"], 1)
+    asked: list[tuple[int, float]] = []
+
+    def cap(n: int, budget: float) -> int:
+        asked.append((n, budget))
+        return n - 2  # client 0 (4 samples): 2 steps, client 1 (3 samples): 1 step
+
+    ctx = context_2(net, xs, ys)
+    ctx.step_budgets = [1.0, 0.9]  # both still allow all 3 epochs' steps (⌊0.9·3⌋ = 2 ≥ 1)
+    got = ctx.sgd(params, ["weight", "bias"], 3, max_steps=cap)
+    assert asked == [(4, 1.0), (3, 0.9)]
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, steps in enumerate([2, 1]):
+        want = reference(linear_loss(xs[k], ys[k]), unstack(params, k), ["weight", "bias"], steps)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+def minibatch_reference(
+    loss_of: Callable[[Params, Tensor], Tensor],
+    params: Params,
+    trainable: list[str],
+    k: int,
+    n: int,
+    bs: int,
+    bufs: Params | None = None,
+    lr: float = LR,
+    min_batch: int = 1,
+    dampening: float = 0.0,
+) -> tuple[Params, float, Params]:
+    """One epoch of client ``k``'s minibatch momentum SGD (momentum 0.5, ``dampening``) written out on
+    ``context_2``'s generator: its shuffle, then batches of ``bs`` rows ``idx`` in order (those of fewer than
+    ``min_batch`` skipped), each a step on ``loss_of(params, idx)`` (which may update untrained tensors in place, as
+    BatchNorm updates its running statistics), continuing from momentum buffers ``bufs`` when given. Returns
+    (params, mean step loss, momentum buffers)."""
+    g = torch.Generator().manual_seed(5 + k)
+    p, buf, losses = {m: v.clone() for m, v in params.items()}, dict(bufs or {}), []
+    perm = torch.randperm(n, generator=g)
+    for i in range(0, n, bs):
+        if len(perm[i : i + bs]) < min_batch:
+            continue
+        leaves = {m: v.clone().requires_grad_(m in trainable) for m, v in p.items()}
+        value = loss_of(leaves, perm[i : i + bs])
+        p.update({m: v.detach() for m, v in leaves.items() if m not in trainable})
+        for m, grad in zip(trainable, torch.autograd.grad(value, [leaves[m] for m in trainable])):
+            buf[m] = grad if m not in buf else 0.5 * buf[m] + (1 - dampening) * grad
+            p[m] = p[m] - lr * buf[m]
+        losses.append(float(value.detach()))
+    return p, sum(losses) / len(losses), buf
+
+
+def test_a_closed_form_penalty_gradient_joins_each_clients_steps() -> None:
+    """A ``Penalty`` with its gradient in closed form and per-client data (½μ_k‖w‖² with μ_k·w) on the stacked
+    path: each client steps as its own loss + penalty through autograd, and reports that loss; client 1's one
+    sample is a batch of one real row and it stops after one step, while client 0 takes two."""
+    xs, ys = data(sizes=(4, 1))
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    mu = torch.tensor([0.5, 2.0])
+    penalty = Penalty(lambda p, d: 0.5 * d["mu"] * (p["weight"] ** 2).sum(), {"mu": mu},
+                      gradient=lambda p, d: {"weight": d["mu"] * p["weight"]})  # fmt: skip
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    got = ctx.sgd(params, ["weight", "bias"], 1, penalty=penalty)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y, k: int = k) -> Tensor:
+            return F.cross_entropy(x[idx] @ p["weight"].T + p["bias"], y[idx]) + 0.5 * mu[k] * (p["weight"] ** 2).sum()
+
+        want, loss, _ = minibatch_reference(loss_of, unstack(params, k), ["weight", "bias"], k, x.shape[0], 2)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+        assert_close_finite(ctx.train_loss[k], loss, rtol=1e-5, atol=1e-6, msg=f"client {k} loss")
+
+
+def test_a_closed_form_penalty_gradient_joins_each_clients_vmapped_steps() -> None:
+    """As above on a network that is not stacked (a LayerNorm: its steps are ``vmap``-ed): each client steps as its
+    own loss + ½μ_k‖W‖² through autograd (``functional_call``), with 2 and 1 steps."""
+    xs, ys = data(sizes=(4, 1))
+    net = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    params = stacked_params(net, 2)
+    mu = torch.tensor([0.5, 2.0])
+    penalty = Penalty(lambda p, d: 0.5 * d["mu"] * (p["0.weight"] ** 2).sum(), {"mu": mu},
+                      gradient=lambda p, d: {"0.weight": d["mu"] * p["0.weight"]})  # fmt: skip
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    names = list(params)
+    got = ctx.sgd(params, names, 1, penalty=penalty)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y, k: int = k) -> Tensor:
+            out = functional_call(net, p, (x[idx],))
+            return F.cross_entropy(out, y[idx]) + 0.5 * mu[k] * (p["0.weight"] ** 2).sum()
+
+        want, loss, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 2)
+        for n in names:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+        assert_close_finite(ctx.train_loss[k], loss, rtol=1e-5, atol=1e-6, msg=f"client {k} loss")
+
+
+def test_a_step_direction_gets_each_clients_penalty_gradient_added() -> None:
+    """A ``Gradient`` of all ones plus a penalty ½μ_k‖W‖² (no closed form): client k's one full-batch step is
+    ``W − lr·(1 + μ_k·W)`` and ``b − lr`` (the first momentum step is the gradient)."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    mu = torch.tensor([0.5, 2.0])
+    penalty = Penalty(lambda p, d: 0.5 * d["mu"] * (p["weight"] ** 2).sum(), {"mu": mu})
+    got = context_2(net, xs, ys).sgd(params, ["weight", "bias"], 1, penalty,
+                                     gradient=ones_gradient(["weight", "bias"]))  # fmt: skip
+    for k in range(2):
+        w, b = params["weight"][k], params["bias"][k]
+        assert_close_finite(got["weight"][k], w - LR * (1 + mu[k] * w), rtol=1e-6, atol=1e-7, msg=f"client {k}")
+        assert_close_finite(got["bias"][k], b - LR, rtol=1e-6, atol=1e-7, msg=f"client {k}")
+
+
+def test_values_a_step_direction_sets_stay_with_the_clients_that_stepped() -> None:
+    """A ``Gradient`` that also sets an untrained name (``bias + 1`` each step, in float64): client 0 takes two
+    steps and client 1 one, so the bias grows by 2 and 1, in the parameter's dtype."""
+    xs, ys = data(sizes=(4, 2))
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+
+    def gradient(p: Params, x: Tensor, y: Tensor, m: Tensor) -> tuple[Params, Tensor, Params]:
+        g, loss = grad_and_value(lambda w: ctx.batch_loss({**p, "weight": w}, x, y, m))(p["weight"])
+        return {"weight": g}, loss, {"bias": (p["bias"] + 1).double()}
+
+    got = ctx.sgd(params, ["weight"], 1, gradient=gradient)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    assert got["bias"].dtype == params["bias"].dtype
+    assert_close_finite(got["bias"], params["bias"] + torch.tensor([[2.0], [1.0]]), rtol=1e-6, atol=1e-6)
+
+
+def test_kept_momentum_continues_per_client_and_counts_each_clients_steps() -> None:
+    """Kept state on the stacked path: each client continues from its own momentum buffers (not zeros) and step
+    counts (5 and 7: no first step, so SGD's dampening 0.3 applies from the start), takes its own steps (2 and 1)
+    and writes back its buffers and counts + steps."""
+    xs, ys = data(sizes=(4, 2))
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    g = torch.Generator().manual_seed(9)
+    bufs = {n: torch.randn(2, *p.shape, generator=g) for n, p in net.named_parameters()}
+    kept = {state_name("steps", n): torch.tensor([5, 7]) for n in params}
+    kept.update({state_name("momentum_buffer", n): bufs[n].clone() for n in params})
+    damped = functools.partial(torch.optim.SGD, lr=LR, momentum=0.5, dampening=0.3)
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer.from_config(damped, batch_size=2))
+    ctx.optimizer_state = kept
+    got = ctx.sgd(params, ["weight", "bias"], 1)
+    assert ctx.optimizer_state[state_name("steps", "weight")].tolist() == [7, 8]
+    assert ctx.optimizer_state[state_name("steps", "bias")].tolist() == [7, 8]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(x[idx] @ p["weight"].T + p["bias"], y[idx])
+
+        want, _, buf = minibatch_reference(loss_of, unstack(params, k), ["weight", "bias"], k, x.shape[0], 2,
+                                           bufs=unstack(bufs, k), dampening=0.3)  # fmt: skip
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+            kept_buf = ctx.optimizer_state[state_name("momentum_buffer", n)][k]
+            assert_close_finite(kept_buf, buf[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n} buffer")
+
+
+def test_one_client_trains_with_the_phases_lr_and_drops_its_partial_batch() -> None:
+    """A context of one client trains it (a cohort of one is not empty); the phase's ``lr`` replaces the round's,
+    and ``drop_last`` skips the client's last batch of 1 (3 samples in batches of 2: one step)."""
+    xs, ys = data(sizes=(3,))
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 1)
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2, drop_last=True))
+    got = ctx.sgd(params, ["weight", "bias"], 1, lr=0.05)
+    assert ctx.steps_taken.tolist() == [1]
+
+    def loss_of(p: Params, idx: Tensor) -> Tensor:
+        return F.cross_entropy(xs[0][idx] @ p["weight"].T + p["bias"], ys[0][idx])
+
+    want, _, _ = minibatch_reference(loss_of, unstack(params, 0), ["weight", "bias"], 0, 3, 2, lr=0.05, min_batch=2)
+    for n in params:
+        assert_close_finite(got[n][0], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class _Recurrent(nn.Module):
+    """An LSTM over each sample's 4 features as a sequence of 2 steps, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(2, 3, batch_first=True), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor, side: Tensor | None = None) -> Tensor:
+        return self.head(self.lstm(x.view(x.shape[0], 2, 2))[0][:, -1])
+
+
+def test_a_recurrent_network_trains_its_clients_in_turn() -> None:
+    """A network with an LSTM (no batching rule for per-client weights) trains client by client: each client as
+    its own minibatch momentum SGD on the whole network (full batches)."""
+    torch.manual_seed(0)
+    xs, ys = data()
+    net = _Recurrent()
+    params = stacked_params(net, 2)
+    names = list(params)
+    got = context_2(net, xs, ys).sgd(params, names, 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
+        for n in names:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+def test_batchnorm_clients_train_on_their_own_batch_statistics_and_skip_a_batch_of_one() -> None:
+    """A BatchNorm1d network on the stacked path: each client normalises with its own batches' statistics and ends
+    with its own running statistics, as torch's BatchNorm in train mode; the default ``min_batch`` skips client 1's
+    last batch of one sample (3 samples in batches of 2), so the clients take 2 and 1 steps."""
+    torch.manual_seed(0)
+    xs, ys = data()
+    xs = [x.double() for x in xs]  # float64: a batch of two has a tiny variance, float32 rounding shows
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
+    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
+    names = [n for n, _ in net.named_parameters()]
+    ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
+    got = ctx.sgd(params, names, 1)
+    assert ctx.steps_taken.tolist() == [2, 1]
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 2, min_batch=2)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
+
+
+def test_a_head_phase_with_an_objective_trains_on_the_objective() -> None:
+    """A head-only phase on a split network with an ``Objective`` (here twice the cross-entropy per sample) trains
+    on the objective, not on the network's loss over cached features."""
+    xs, ys = data()
+    net = SplitModel(nn.Sequential(nn.Linear(4, 5), nn.Tanh()), nn.Linear(5, 3))
+    params = stacked_params(net, 2)
+    head = ["head.weight", "head.bias"]
+    ctx = context_2(net, xs, ys)
+
+    def twice(p: Params, x: Tensor, y: Tensor, d: Params) -> Tensor:
+        return 2 * ctx.per_sample_loss(ctx.forward(p, x), y)
+
+    got = ctx.sgd(params, head, 1, objective=Objective(twice))
+    check_clients(got, params, xs, (lambda x, y, k: lambda p: 2 * split_loss(x, y)(p), ys), head, 1)
+
+
+class ScaleAhead:
+    """An augmentation that draws ahead an integer per sample (the plan carries draws as integers, as crop offsets
+    and flips are) and applies ``x·(1 + s)``."""
+
+    def draw(self, n: int, g: torch.Generator) -> Tensor:
+        return torch.randint(0, 3, (n, 1), generator=g)
+
+    def apply(self, x: Tensor, drawn: Tensor) -> Tensor:
+        return x * (1 + drawn)
+
+
+def test_a_whole_network_phase_trains_on_each_clients_augmented_batches() -> None:
+    """Training the whole (stacked) network with an augmentation that draws ahead: each client's full batch is its
+    shuffled rows scaled by the scales it drew after its shuffle (its generator, ``epoch_draws``' order)."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    params = stacked_params(net, 2)
+    got = context_2(net, xs, ys, augment=ScaleAhead()).sgd(params, ["weight", "bias"], 1)
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        g = torch.Generator().manual_seed(5 + k)  # context_2's generator of client k
+        perm = torch.randperm(x.shape[0], generator=g)
+        scaled = x[perm] * (1 + torch.randint(0, 3, (x.shape[0], 1), generator=g))
+        want = reference(linear_loss(scaled, y[perm]), unstack(params, k), ["weight", "bias"], 1)
+        for n in params:
+            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+
+
+def _values_to_collect(q: Params, x: Tensor, y: Tensor, d: Params) -> tuple[Tensor, ...]:
+    """One client's per-sample losses, its own constant ``reported`` (the objective's data) reported instead, and
+    values ``10·x + 1`` to collect that do not depend on the parameters."""
+    per = F.cross_entropy(x @ q["weight"].T + q["bias"], y, reduction="none")
+    return per, torch.ones_like(per) * d["reported"], 10 * x + 1
+
+
+def test_objective_collect_sums_each_clients_last_epoch_by_class() -> None:
+    """``Objective.collect`` on the stacked path: ``class_sums_seen`` is ``[K, C, D]`` sums and ``[K, C]`` counts of
+    each client's values over its own last epoch (2 epochs of one batch: every row of the client once), against
+    numpy; ``train_loss`` is what the objective reports; a phase without epochs leaves zeros of those shapes."""
+    xs, ys = data()
+    net = nn.Linear(4, 3)
+    objective = Objective(_values_to_collect, {"reported": torch.tensor([3.0, 5.0])}, collect=(3, 4))
+    ctx = context_2(net, xs, ys)  # full batches: each epoch is one step
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 0, objective=objective)
+    assert [tuple(t.shape) for t in ctx.class_sums_seen] == [(2, 3, 4), (2, 3)]
+    assert all(float(t.abs().sum()) == 0 for t in ctx.class_sums_seen)
+    ctx.sgd(stacked_params(net, 2), ["weight", "bias"], 2, objective=objective)
+    sums, counts = ctx.class_sums_seen
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        values, labels = (10 * x + 1).numpy(), y.numpy()
+        expected = np.stack([values[labels == c].sum(0) for c in range(3)])
+        assert_close_finite(sums[k], expected, rtol=1e-5, atol=1e-5, msg=f"client {k}")
+        assert counts[k].tolist() == np.bincount(labels, minlength=3).astype(float).tolist()
+    assert ctx.train_loss.tolist() == [3.0, 5.0]  # what the objective reports (its data), not its loss
 
 
 def test_linear_networks_step_without_vmap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -856,6 +1255,16 @@ def test_what_a_batched_phase_builds_is_on_the_clients_device() -> None:
     ctx = context_2(net, xs, ys, optimizer=damped)
     out = ctx.sgd(params, ["weight", "bias"], 2)
     assert out["weight"].device == meta and ctx.train_loss.device == meta and ctx.train_loss.shape == (2,)
+
+
+def test_a_phase_without_steps_reports_its_zero_losses_on_the_clients_device() -> None:
+    """``max_steps=0`` on ``meta`` data (an accelerator's stand-in): the zero losses per client are on that device."""
+    meta = torch.device("meta")
+    xs = [torch.empty(4, 4, device=meta), torch.empty(3, 4, device=meta)]
+    ys = [torch.zeros(4, dtype=torch.long, device=meta), torch.zeros(3, dtype=torch.long, device=meta)]
+    net = nn.Linear(4, 3)
+    params = {n: torch.empty(2, *p.shape, device=meta) for n, p in net.named_parameters()}
+    ctx = context_2(net, xs, ys)
     ctx.sgd(params, ["weight", "bias"], 1, max_steps=0)
     assert ctx.train_loss.device == meta and ctx.train_loss.shape == (2,)
 
@@ -946,10 +1355,7 @@ class DoublingAhead(Doubling):
         return 2.0 * x
 
 
-@pytest.mark.parametrize("augment", [Doubling(), DoublingAhead()], ids=["per_batch", "ahead"])
-def test_augmentations_are_applied_and_only_those_that_cannot_draw_ahead_run_in_turn(
-    augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _augmented_head_phase(augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
@@ -964,6 +1370,19 @@ def test_augmentations_are_applied_and_only_those_that_cannot_draw_ahead_run_in_
         return lambda p: F.cross_entropy(2.0 * x @ p["head.weight"].T + p["head.bias"], y)
 
     check_clients(got, params, xs, (loss, ys), head, 1)
+
+
+# one test each (not parametrized): each runs under ``make mutation``'s per-function test cap
+def test_an_augmentation_that_draws_ahead_is_applied_on_the_stacked_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _augmented_head_phase(DoublingAhead(), monkeypatch, caplog)
+
+
+def test_an_augmentation_that_cannot_draw_ahead_is_applied_with_the_clients_in_turn(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _augmented_head_phase(Doubling(), monkeypatch, caplog)
 
 
 # ---- head-only phases --------------------------------------------------------------------------------------------
