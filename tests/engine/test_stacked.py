@@ -1750,3 +1750,15 @@ def test_the_networks_forward_and_loss_inside_an_objective_see_each_clients_side
         for n in glob:
             assert_close_finite(out[n][k], ref[n], rtol=1e-5, atol=1e-6, msg=f"{n} client {k}")
     assert not torch.equal(out["side.embed.weight"][0], out["side.embed.weight"][1])
+
+
+def test_pad_rows_zero_pads_every_client_to_the_longest() -> None:
+    from fl_lightning.engine.stacked import pad_rows
+
+    rows = [torch.arange(6.0).reshape(3, 2), torch.ones(1, 2), torch.zeros(0, 2)]
+    out = pad_rows(rows)
+    assert out.shape == (3, 3, 2) and out.dtype == torch.float32
+    assert torch.equal(out[0], rows[0]) and torch.equal(out[1], torch.tensor([[1.0, 1.0], [0, 0], [0, 0]]))
+    assert not out[2].any()
+    one = pad_rows([torch.arange(4).reshape(2, 2)])  # a single client, integer rows
+    assert one.shape == (1, 2, 2) and one.dtype == torch.int64 and torch.equal(one[0], torch.arange(4).reshape(2, 2))

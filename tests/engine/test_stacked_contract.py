@@ -330,8 +330,8 @@ def test_full_gradient_is_each_clients_own_gradient_on_all_its_rows(net_name: st
     sides = [torch.randn(3, generator=gen(30 + k)) for k in range(4)] if net_name == "side" else None
     own = [{n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen(40 + k)) for n, p in net.named_parameters()}
            for k in range(4)]  # fmt: skip
-    names = [n for n, _ in net.named_parameters() if not n.startswith("body.0")] if net_name == "mlp" else None
-    names = names or [n for n, _ in net.named_parameters()]
+    frozen = "body.1." if net_name == "mlp" else "no frozen parameter"  # the MLP's first Linear stays frozen
+    names = [n for n, _ in net.named_parameters() if not n.startswith(frozen)]
     vctx = VectorizedContext(net, list(range(4)), xs, ys, sides, settings(), per_sample_loss_for(CLASSES),
                              [gen(k) for k in range(4)], None, 0, 0, [1.0] * 4)  # fmt: skip
     stacked_grads = vctx.full_gradient(stack(own), names)
@@ -350,3 +350,17 @@ def test_full_gradient_is_each_clients_own_gradient_on_all_its_rows(net_name: st
         for n in names:
             assert_close_finite(sequential_grads[n], expected[n], rtol=TOL, atol=1e-6, msg=f"{n} of client {k}")
             assert_close_finite(stacked_grads[n][k], expected[n], rtol=TOL, atol=1e-6, msg=f"{n} of client {k}")
+    assert len(names) < len(own[0]) or net_name != "mlp"
+    assert vctx.side_for(2) is None  # the call leaves no client's side vector behind
+
+
+def test_full_gradient_without_names_or_data_is_empty_or_zero() -> None:
+    net = mlp()
+    xs, ys = client_data()
+    empty = VectorizedContext(net, [0, 1], [xs[0][:0], xs[1][:0]], [ys[0][:0], ys[1][:0]], None, settings(),
+                              per_sample_loss_for(CLASSES), [gen(0), gen(1)], None, 0, 0, [1.0, 1.0])  # fmt: skip
+    params = stack([{n: p.detach() for n, p in net.named_parameters()}] * 2)
+    zeros = empty.full_gradient(params, ["head.weight"])
+    assert list(zeros) == ["head.weight"] and zeros["head.weight"].shape == (2, CLASSES, 6)
+    assert not zeros["head.weight"].any()
+    assert empty.full_gradient(params, []) == {}
