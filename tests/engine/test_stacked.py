@@ -162,21 +162,9 @@ def test_objective_collect_starts_with_zero_sums_per_client() -> None:
 def test_batchnorm_clients_normalise_a_full_batch_with_its_own_statistics() -> None:
     """One full-batch step of a BatchNorm1d network per client (float64): parameters and running statistics as
     ``functional_call`` with torch's train-mode BatchNorm and one momentum SGD step give them."""
-    xs, ys = data()
-    xs = [x.double() for x in xs]
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
-    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
-    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
-    names = [n for n, _ in net.named_parameters()]
+    xs, ys, net, params, names = batchnorm_clients()
     got = context_2(net, xs, ys).sgd(params, names, 1)
-    for k, (x, y) in enumerate(zip(xs, ys)):
-
-        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
-            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
-
-        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
-        for n in params:
-            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
+    assert_each_client_is_its_own_sgd(net, xs, ys, params, names, got, 10, list(params), rtol=1e-9, atol=1e-10)
 
 
 def test_fresh_context_batch_loss_is_the_plain_loss() -> None:
@@ -877,6 +865,33 @@ def minibatch_reference(
     return p, sum(losses) / len(losses), buf
 
 
+def batchnorm_clients() -> tuple[list[Tensor], list[Tensor], nn.Module, Params, list[str]]:
+    """Two clients of a float64 BatchNorm1d network (a batch of two has a tiny variance: float32 rounding shows),
+    each with its own running statistics: (xs, ys, net, stacked params and buffers, parameter names)."""
+    xs, ys = data()
+    xs = [x.double() for x in xs]
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
+    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
+    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
+    return xs, ys, net, params, [n for n, _ in net.named_parameters()]
+
+
+def assert_each_client_is_its_own_sgd(
+    net: nn.Module, xs: list[Tensor], ys: list[Tensor], params: Params, names: list[str], got: Params,
+    bs: int, compared: list[str], rtol: float, atol: float, min_batch: int = 1,
+) -> None:  # fmt: skip
+    """Every client's ``compared`` entries of ``got`` equal one epoch of its own minibatch momentum SGD on the whole
+    network's cross-entropy (``minibatch_reference``: ``functional_call`` and plain autograd)."""
+    for k, (x, y) in enumerate(zip(xs, ys)):
+
+        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
+            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
+
+        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], bs, min_batch=min_batch)
+        for n in compared:
+            assert_close_finite(got[n][k], want[n], rtol=rtol, atol=atol, msg=f"client {k} {n}")
+
+
 def test_a_closed_form_penalty_gradient_joins_each_clients_steps() -> None:
     """A ``Penalty`` with its gradient in closed form and per-client data (½μ_k‖w‖² with μ_k·w) on the stacked
     path: each client steps as its own loss + penalty through autograd, and reports that loss; client 1's one
@@ -1028,14 +1043,7 @@ def test_a_recurrent_network_trains_its_clients_in_turn() -> None:
     params = stacked_params(net, 2)
     names = list(params)
     got = context_2(net, xs, ys).sgd(params, names, 1)
-    for k, (x, y) in enumerate(zip(xs, ys)):
-
-        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
-            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
-
-        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 10)
-        for n in names:
-            assert_close_finite(got[n][k], want[n], rtol=1e-5, atol=1e-6, msg=f"client {k} {n}")
+    assert_each_client_is_its_own_sgd(net, xs, ys, params, names, got, 10, names, rtol=1e-5, atol=1e-6)
 
 
 def test_batchnorm_clients_train_on_their_own_batch_statistics_and_skip_a_batch_of_one() -> None:
@@ -1043,23 +1051,12 @@ def test_batchnorm_clients_train_on_their_own_batch_statistics_and_skip_a_batch_
     with its own running statistics, as torch's BatchNorm in train mode; the default ``min_batch`` skips client 1's
     last batch of one sample (3 samples in batches of 2), so the clients take 2 and 1 steps."""
     torch.manual_seed(0)
-    xs, ys = data()
-    xs = [x.double() for x in xs]  # float64: a batch of two has a tiny variance, float32 rounding shows
-    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)).double()
-    params = {n: v.double() for n, v in stacked_params(net, 2).items()}
-    params.update({n: torch.stack([b.clone(), b.clone() + 1]) for n, b in net.named_buffers()})
-    names = [n for n, _ in net.named_parameters()]
+    xs, ys, net, params, names = batchnorm_clients()
     ctx = context_2(net, xs, ys, optimizer=ClientOptimizer(lr=LR, batch_size=2))
     got = ctx.sgd(params, names, 1)
     assert ctx.steps_taken.tolist() == [2, 1]
-    for k, (x, y) in enumerate(zip(xs, ys)):
-
-        def loss_of(p: Params, idx: Tensor, x: Tensor = x, y: Tensor = y) -> Tensor:
-            return F.cross_entropy(functional_call(net, p, (x[idx],)), y[idx])
-
-        want, _, _ = minibatch_reference(loss_of, unstack(params, k), names, k, x.shape[0], 2, min_batch=2)
-        for n in params:
-            assert_close_finite(got[n][k], want[n], rtol=1e-9, atol=1e-10, msg=f"client {k} {n}")
+    assert_each_client_is_its_own_sgd(net, xs, ys, params, names, got, 2, list(params), rtol=1e-9, atol=1e-10,
+                                      min_batch=2)  # fmt: skip
 
 
 def test_a_head_phase_with_an_objective_trains_on_the_objective() -> None:
