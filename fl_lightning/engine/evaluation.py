@@ -500,13 +500,16 @@ def _evaluate_with_shared_body(
     net.eval()
     body = {n[len("body.") :]: v for n, v in glob.items() if n.startswith("body.")}
     spans = [(test.offsets[c], test.offsets[c + 1]) for c in clients]  # host offsets: no device reads
-    rows = torch.cat([torch.arange(lo, hi, device=test.x.device) for lo, hi in spans]) if spans else None
-    if rows is None or rows.numel() == 0:
+    if sum(hi - lo for lo, hi in spans) == 0:
         return
-    x = test.x[rows]
+    device = test.y.device
+    x = test.x[torch.cat([torch.arange(lo, hi, device=device) for lo, hi in spans])]
     if x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
-    feats = torch.cat([functional_call(net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
+    if stackable(net.body):  # one batched product per layer for all rows
+        feats = stacked_forward(net.body, {n: v.unsqueeze(0) for n, v in body.items()}, x.unsqueeze(0))[0]
+    else:
+        feats = torch.cat([functional_call(net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
     sizes = [hi - lo for lo, hi in spans]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     heads = [{n[len("head.") :]: v for n, v in head.items()} for head in heads]

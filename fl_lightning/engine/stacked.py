@@ -179,6 +179,28 @@ class BatchedSGD:
         d = d + self.momentum * buf if self.nesterov else buf
         return p - lr * d, {"momentum_buffer": buf}
 
+    @property
+    def reads_count(self) -> bool:
+        """Whether ``step`` reads the step count (dampening skips it on a buffer's first step)."""
+        return bool(self.momentum and self.dampening)
+
+    def step_all(
+        self, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
+        decays: list[float],
+    ) -> list[tuple[Tensor, Params]]:  # fmt: skip
+        """``step`` of every parameter of a step; SGD with or without momentum (no dampening, Nesterov or
+        maximize, one weight decay) as one ``torch._foreach`` op per term over the list, with ``step``'s values."""
+        if self.dampening or self.nesterov or self.maximize or len(set(decays)) > 1:
+            return [self.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
+        d = gs
+        if decays and decays[0]:
+            d = torch._foreach_add(gs, torch._foreach_mul(ps, decays[0]))
+        if not self.momentum:
+            return [(p, {}) for p in torch._foreach_sub(ps, torch._foreach_mul(d, lr))]
+        bufs = torch._foreach_mul([s["momentum_buffer"] for s in states], self.momentum)
+        torch._foreach_add_(bufs, d)
+        return [(p, {"momentum_buffer": b}) for p, b in zip(torch._foreach_sub(ps, torch._foreach_mul(bufs, lr)), bufs)]
+
 
 class BatchedAdam:
     """``torch.optim.Adam`` / ``AdamW`` on stacked per-client tensors, each client with its own step count t:
@@ -213,6 +235,15 @@ class BatchedAdam:
         step_size = (lr / (1 - self.beta1**t)).to(p.dtype)
         bias2_sqrt = ((1 - self.beta2**t) ** 0.5).to(p.dtype)
         return p - step_size * (new["exp_avg"] / (second.sqrt() / bias2_sqrt + self.eps)), new
+
+    reads_count = False  # its own per-client ``step`` state counts
+
+    def step_all(
+        self, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
+        decays: list[float],
+    ) -> list[tuple[Tensor, Params]]:  # fmt: skip
+        """``step`` of every parameter of a step, one after another."""
+        return [self.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
 
 
 BatchedRule = BatchedSGD | BatchedAdam
@@ -705,6 +736,7 @@ class VectorizedContext:
             if state_name(STEPS, n) in kept:
                 state[n] = {k: kept[state_name(k, n)] for k in rule.keys}
                 count[n] = kept[state_name(STEPS, n)].clone()
+        decays = {n: wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0 for n in train}
         loss_sum = torch.zeros(self.num_clients, dtype=mask_all.dtype, device=self.device)
         fewest = min(plan.host_steps)
         changed: set[str] = set()
@@ -721,11 +753,13 @@ class VectorizedContext:
                 if "values" in extra:  # the rows of each client's last epoch (Objective.collect)
                     last = (active & (plan.last_epoch <= s)).to(mask.dtype)
                     self._collect(extra["values"], y, mask * last[:, None])
-                for n, g in grads.items():
-                    decay = wd if self.optimizer.decay_bias or not n.endswith("bias") else 0.0
-                    new_p, new_state = rule.step(train[n], g, state[n], count[n], lr, decay)
+                stepped = rule.step_all([train[n] for n in grads], list(grads.values()), [state[n] for n in grads],
+                                        [count[n] for n in grads], lr, [decays[n] for n in grads])  # fmt: skip
+                for (n, g), (new_p, new_state) in zip(grads.items(), stepped):
                     if everyone:
-                        train[n], state[n], count[n] = new_p, new_state, count[n] + 1
+                        train[n], state[n] = new_p, new_state
+                        if rule.reads_count:
+                            count[n] = count[n] + 1
                         continue
                     train[n] = torch.where(_per_client(active, g), new_p, train[n])
                     state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
@@ -737,6 +771,8 @@ class VectorizedContext:
                 step_loss = losses.detach().to(loss_sum.dtype)
                 loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
         self.train_loss = loss_sum / plan.steps.clamp(min=1)
+        if not rule.reads_count:  # the steps every client took, counted once (they come first)
+            count = {n: c + min(fewest, plan.num_steps) for n, c in count.items()}
         if kept is not None:
             self.optimizer_state = dict(kept)
             for n in train:

@@ -571,6 +571,43 @@ def test_batched_adam_steps_each_client_as_torch_adam() -> None:
             _steps_each_client_as_its_torch_optimizer(name)
 
 
+def test_step_all_steps_every_parameter_as_its_own_torch_sgd() -> None:
+    """``step_all`` over a list of parameters (the foreach form: plain SGD, momentum, one weight decay; and the
+    per-parameter form: decays that differ, dampening, Nesterov) gives each client's parameter what its own
+    ``torch.optim.SGD`` gives it over the same steps (float64, 1e-12)."""
+    shapes = [(4, 3), (3,), (2, 2, 2)]
+    cases = [
+        (dict(lr=0.1), [0.0, 0.0, 0.0]),
+        (dict(lr=0.1, momentum=0.9), [0.0, 0.0, 0.0]),
+        (dict(lr=0.05, momentum=0.5), [0.02, 0.02, 0.02]),
+        (dict(lr=0.05), [0.03, 0.03, 0.03]),
+        (dict(lr=0.05, momentum=0.5), [0.02, 0.0, 0.02]),
+        (dict(lr=0.05, momentum=0.5, dampening=0.3), [0.0, 0.0, 0.0]),
+        (dict(lr=0.05, momentum=0.5, nesterov=True), [0.01, 0.01, 0.01]),
+    ]
+    g = torch.Generator().manual_seed(5)
+    k_clients, steps = 3, 4
+    for hyper, decays in cases:
+        rule = BatchedSGD({**SGD_HYPER, **hyper})
+        start = [torch.randn(k_clients, *s, generator=g, dtype=torch.float64) for s in shapes]
+        grads = [[torch.randn(k_clients, *s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(steps)]
+        ps, states = list(start), [rule.init(p) for p in start]
+        counts = [torch.zeros(k_clients, dtype=torch.long) for _ in shapes]
+        for t in range(steps):
+            stepped = rule.step_all(ps, grads[t], states, [c + t for c in counts], hyper["lr"], decays)
+            assert len(stepped) == len(shapes)
+            ps, states = [p for p, _ in stepped], [s for _, s in stepped]
+        for i in range(len(shapes)):
+            for k in range(k_clients):
+                leaf = start[i][k].clone().requires_grad_(True)
+                opt = torch.optim.SGD([leaf], **{**hyper, "weight_decay": decays[i]})
+                for t in range(steps):
+                    leaf.grad = grads[t][i][k].clone()
+                    opt.step()
+                assert_close_finite(ps[i][k], leaf.detach(), rtol=1e-12, atol=1e-12, msg=f"{hyper} {decays} {i} {k}")
+        assert all(not torch.equal(p, s) for p, s in zip(ps, start))
+
+
 def test_batched_rule_is_none_without_a_batched_form() -> None:
     """Optimisers the executor cannot stack: another class, a tensor learning rate."""
     from fl_lightning.engine.stacked import BatchedAdam, BatchedSGD, batched_rule

@@ -29,7 +29,7 @@ from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer, loss_fn_for
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, stacked_forward, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context
@@ -274,16 +274,26 @@ def test_finetune_evaluation_is_the_same_on_both_paths():
     assert seq["final_ft"] != seq["final"]  # one training run carries both the plain and the "+FT" result
 
 
-def test_fast_evaluation_computes_body_features_once_not_per_client():
-    from fl_lightning.engine.stacked import FEATURE_CHUNK
+def test_fast_evaluation_computes_body_features_once_not_per_client(monkeypatch):
+    """The MLP body (stackable) passes all test rows once, as one batched product per layer
+    (``stacked_forward`` with one stacked copy); the sequential path runs the body once per client."""
+    from fl_lightning.engine import evaluation
 
     calls = {"n": 0}
     module = FederatedModule(FedRep(1, 1), DigitsMLP(), eval_every=100, executor="vectorized")
     fit(module, DigitsDataModule(num_clients=20, partition=Shards(2), clients_per_round=4, seed=0), rounds=1)
     module.net.body.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
+    body_passes = []
+
+    def counted(mod, params, x, prefix=""):
+        if mod is module.net.body:
+            body_passes.append(x.shape[:2])
+        return stacked_forward(mod, params, x, prefix)
+
+    monkeypatch.setattr(evaluation, "stacked_forward", counted)
     fast = module.evaluate_clients(0)
     test_rows = module.fed.test.x.shape[0]
-    assert calls["n"] == -(-test_rows // FEATURE_CHUNK) < 20
+    assert body_passes == [(1, test_rows)] and calls["n"] == 0
     calls["n"] = 0
     module.executor = "sequential"
     slow = module.evaluate_clients(0)
