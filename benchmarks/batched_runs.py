@@ -286,6 +286,40 @@ def cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+#: the engine functions whose CPU time ``cpu_parts`` attributes: (module, function, part)
+PARTS = (("fl_lightning.engine.executor", "run_clients", "client training"),
+         ("fl_lightning.engine.evaluation", "evaluate_clients", "client evaluation"))  # fmt: skip
+
+
+@contextlib.contextmanager
+def cpu_parts():
+    """CPU seconds spent inside ``PARTS`` (per thread, ``time.thread_time``: the run-axis threads take turns, and a
+    thread waiting for the lockstep uses none), by part: what the executors can speed up. Everything else (Lightning's
+    loops, logging, checkpoints, aggregation, setup, the report) is the same work on every path."""
+    import importlib
+
+    spent: dict[str, float] = {part: 0.0 for _, _, part in PARTS}
+    saved = []
+    for module_name, fn_name, part in PARTS:
+        owner = importlib.import_module(module_name)
+        fn = getattr(owner, fn_name)
+
+        def timed_fn(*a: Any, _fn: Callable = fn, _part: str = part, **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return _fn(*a, **k)
+            finally:
+                spent[_part] += time.thread_time() - start
+
+        saved.append((owner, fn_name, fn))
+        setattr(owner, fn_name, timed_fn)
+    try:
+        yield spent
+    finally:
+        for owner, fn_name, fn in saved:
+            setattr(owner, fn_name, fn)
+
+
 def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods: list[str] | None, seeds: int) -> None:
     """An experiment grid (configs/experiments/table1_digits.yaml, or some of its methods) by the runner's default
     command (runs batched, the default executor) against the same grid forced onto ``model.executor: sequential``
@@ -302,7 +336,8 @@ def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods
     common = [override("trainer.max_steps", rounds), override("trainer.enable_progress_bar", False),
               override("wandb.mode", "disabled")]  # fmt: skip
     setting = f"{name},methods={len(experiment.axes['method'])},seeds={seeds},rounds={rounds}"
-    results = {}
+    results: dict[str, tuple] = {}
+    parts: dict[str, dict[str, float]] = {}
     for label, extra, batch_runs in (
         ("sequential, one at a time", [*common, override("model.executor", "sequential")], 1),
         ("default command", common, None),
@@ -311,7 +346,7 @@ def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods
         _clear(root)
         exp = dataclasses.replace(experiment, runs_dir=root)
         wall, cpu = time.perf_counter(), cpu_seconds()
-        with quiet():
+        with quiet(), cpu_parts() as spent:
             result = run_experiment(exp, common if batch_runs is None else extra, batch_runs=batch_runs,
                                     out=io.StringIO())  # fmt: skip
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
@@ -320,8 +355,10 @@ def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods
         summaries = {str(r.run_dir.relative_to(root)): json.loads((r.run_dir / "summary.json").read_text())
                      for r in exp.runs(extra)}  # fmt: skip
         results[label] = (summaries, wall, cpu)
+        parts[label] = {**spent, "everything else": cpu - sum(spent.values())}
         print(f"  {name} {label:26s} wall {wall:7.1f} s  cpu {cpu:7.1f} s", flush=True)
     (ref, r_wall, r_cpu), (fast, f_wall, f_cpu) = results.values()
+    print_parts(name, parts, records, setting)
     diff = max(abs(ref[k][m] - fast[k][m]) for k in ref for m in ("final", "last10", "best"))
     n = len(ref)
     rows.append([name, f"{n} runs sequential, one at a time", r_wall, r_cpu, r_wall / f_wall, r_cpu / f_cpu, diff])
@@ -330,6 +367,22 @@ def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods
                           ("speedup_wall", r_wall / f_wall), ("speedup_cpu", r_cpu / f_cpu),
                           ("max_abs_diff", diff)):  # fmt: skip
         records.append(record(name, "default command", metric, value, setting=setting))
+
+
+def print_parts(name: str, parts: dict[str, dict[str, float]], records: list, setting: str) -> None:
+    """Each side's CPU seconds by part (``cpu_parts``), and the speed-up the default command would reach if its
+    client training and evaluation took no time at all (reference total / its everything else): the ceiling that
+    the work both sides share sets on the ratio."""
+    (ref_label, ref), (_, fast) = parts.items()
+    table = [[part, ref[part], fast[part], ref[part] / fast[part] if fast[part] else float("inf")] for part in ref]
+    print(f"  {name}: CPU seconds by part")
+    print(format_table(["part", ref_label.split(",")[0], "default", "ratio"], table))
+    ceiling = sum(ref.values()) / fast["everything else"]
+    print(f"  {name}: ceiling of the CPU speed-up with client training and evaluation free: {ceiling:.2f}x")
+    for label, spent in (("sequential", ref), ("default command", fast)):
+        for part, value in spent.items():
+            records.append(record(name, label, f"cpu_s:{part}", value, setting=setting))
+    records.append(record(name, "default command", "speedup_cpu_ceiling", ceiling, setting=setting))
 
 
 def table1_digits(args: argparse.Namespace, records: list, rows: list) -> None:

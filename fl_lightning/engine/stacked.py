@@ -868,12 +868,14 @@ class VectorizedContext:
                 losses = losses + vmap(penalty.fn)(full, pdata)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
         grads = {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}
-        if closed:
+        if closed:  # the term's gradient and value in one vmap
             with torch.no_grad():
                 values = {**frozen, **train}
-                extra = vmap(lambda p, d: penalty_gradient(penalty, p, list(train), d))(values, pdata)
+                extra, value = vmap(lambda p, d: (penalty_gradient(penalty, p, list(train), d), penalty.fn(p, d)))(
+                    values, pdata
+                )
                 grads = {n: g + extra[n] if n in extra else g for n, g in grads.items()}
-                losses = losses.detach() + vmap(penalty.fn)(values, pdata)
+                losses = losses.detach() + value
         return grads, losses
 
     def _vmapped_step(
