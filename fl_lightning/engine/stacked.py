@@ -48,6 +48,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -263,12 +264,18 @@ def batched_rule(settings: ClientOptimizer) -> BatchedRule | None:
     return None
 
 
+def per_sample_cross_entropy(out: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def per_sample_half_squared_error(out: Tensor, y: Tensor) -> Tensor:
+    return 0.5 * ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
+
+
 def per_sample_loss_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
     """Cross-entropy, or ½·squared error averaged over each sample's outputs (so that its batch mean is the
     sequential loop's ``0.5 * mse_loss``)."""
-    if num_classes is None:
-        return lambda out, y: 0.5 * ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
-    return lambda out, y: F.cross_entropy(out, y, reduction="none")
+    return per_sample_half_squared_error if num_classes is None else per_sample_cross_entropy
 
 
 def has_conv(net: nn.Module) -> bool:
@@ -338,6 +345,90 @@ def stacked_forward(module: nn.Module, params: Params, x: Tensor, prefix: str = 
         features = stacked_forward(module.body, params, x, prefix + "body.")
         return stacked_forward(module.head, params, features, prefix + "head.")
     raise TypeError(f"stacked_forward: {kind.__name__} is not supported")
+
+
+# ---- a ReLU network's gradient by hand ---------------------------------------------------------------------------
+#: one layer of a network ``relu_layers`` can differentiate by hand: ("linear", parameter prefix), ("relu", None)
+#: or ("flatten", the nn.Flatten)
+Layer = tuple[str, Any]
+
+
+def relu_layers(module: nn.Module, prefix: str = "") -> list[Layer] | None:
+    """``module`` as its layers in order when it is made of ``Linear``, ``ReLU`` and ``Flatten`` only (a
+    ``Sequential`` of those, or a ``SplitModel`` of those without a side branch), else None."""
+    kind = type(module)
+    if kind is nn.Linear:
+        return [("linear", prefix)]
+    if kind is nn.ReLU:
+        return [("relu", None)]
+    if kind is nn.Flatten:
+        return [("flatten", module)]
+    if kind is nn.Sequential:
+        layers: list[Layer] = []
+        for name, child in module.named_children():
+            inner = relu_layers(child, f"{prefix}{name}.")
+            if inner is None:
+                return None
+            layers += inner
+        return layers
+    if isinstance(module, SplitModel) and kind.forward is SplitModel.forward and module.side is None:
+        body, head = relu_layers(module.body, prefix + "body."), relu_layers(module.head, prefix + "head.")
+        return None if body is None or head is None else body + head
+    return None
+
+
+def relu_net_gradient(
+    layers: list[Layer], params: Params, x: Tensor, y: Tensor, mask: Tensor, trainable: set[str]
+) -> tuple[Params, Tensor]:
+    """Every client's masked mean cross-entropy ``L_k = Σ_b m_kb·ce_kb / max(Σ_b m_kb, 1)`` of the network
+    ``layers`` (``relu_layers``) with its parameters ``params[name][k]`` on ``x[k]``, and its gradient for the
+    ``trainable`` names, by backpropagation written out (no autograd graph): ∂L/∂z = (softmax(z) − onehot(y))·m/n
+    at the logits; a linear layer h → hWᵀ + b gives ∂W = δᵀh, ∂b = Σδ and passes δW down; a ReLU passes δ where its
+    output is positive. Returns ({name: [K, ...]}, losses [K])."""
+    h, kept = x, []
+    for kind, arg in layers:
+        if kind == "linear":
+            weight, bias = params[arg + "weight"], params.get(arg + "bias")
+            flat = h.reshape(h.shape[0], -1, h.shape[-1])
+            kept.append((h.shape, flat))
+            out = torch.bmm(flat, weight.transpose(1, 2)) if bias is None else torch.baddbmm(
+                bias.unsqueeze(1), flat, weight.transpose(1, 2))  # fmt: skip
+            h = out.reshape(*h.shape[:-1], weight.shape[1])
+        elif kind == "relu":
+            h = h.relu()
+            kept.append(h)
+        else:
+            kept.append(h.shape)
+            start = arg.start_dim + 1 if arg.start_dim >= 0 else arg.start_dim
+            end = arg.end_dim + 1 if arg.end_dim >= 0 else arg.end_dim
+            h = h.flatten(start, end)
+    k, b = mask.shape
+    log_p = torch.log_softmax(h.reshape(k, b, -1), -1)
+    per_sample = -log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    n = mask.sum(1).clamp(min=1)
+    losses = (per_sample * mask).sum(1) / n
+    delta = log_p.exp()
+    delta.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(delta[..., :1], -1.0))
+    delta = delta * (mask / n.unsqueeze(1)).unsqueeze(-1)
+    trained = [i for i, (kind, arg) in enumerate(layers) if kind == "linear" and (
+        arg + "weight" in trainable or arg + "bias" in trainable)]  # fmt: skip
+    grads: Params = {}
+    for i in range(len(layers) - 1, min(trained, default=len(layers)) - 1, -1):
+        kind, arg = layers[i]
+        if kind == "linear":
+            shape, flat = kept[i]
+            rows = delta.reshape(k, -1, delta.shape[-1])
+            if arg + "weight" in trainable:
+                grads[arg + "weight"] = torch.bmm(rows.transpose(1, 2), flat)
+            if arg + "bias" in trainable and arg + "bias" in params:
+                grads[arg + "bias"] = rows.sum(1)
+            if i > trained[0]:
+                delta = torch.bmm(rows, params[arg + "weight"]).reshape(shape)
+        elif kind == "relu":
+            delta = delta * (kept[i] > 0)
+        else:
+            delta = delta.reshape(kept[i])
+    return grads, losses
 
 
 # ---- a phase's minibatches, drawn before its first step ------------------------------------------------------
@@ -722,6 +813,10 @@ class VectorizedContext:
         batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) and not head_only else None
         stacked = phase.gradient is None and phase.objective is None and self.sides is None and stackable(module)
         step = None if stacked else self._vmapped_step(module, names, phase, batchnorm)
+        # a ReLU network with the cross-entropy and no penalty to differentiate: its gradient by hand
+        by_hand = stacked and self._per_sample is per_sample_cross_entropy and (
+            penalty is None or penalty.gradient is not None)  # fmt: skip
+        layers = relu_layers(module) if by_hand else None
 
         train = {n: out[n] for n in phase.trainable}
         frozen = {n: v for n, v in out.items() if n not in train}
@@ -746,7 +841,7 @@ class VectorizedContext:
                 everyone = s < fewest  # every client steps (known on the host): nothing to mask
                 x, y = batch_inputs(s), data_y[rows[s]]
                 if step is None:
-                    grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata)
+                    grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata, layers)
                     sets, extra = {}, {}
                 else:
                     grads, losses, sets, extra = step(train, frozen, x, y, mask, self.sides, pdata, odata)
@@ -852,22 +947,20 @@ class VectorizedContext:
         mask: Tensor,
         penalty: Penalty | None,
         pdata: Params,
+        layers: list[Layer] | None = None,
     ) -> tuple[Params, Tensor]:
         """Every client's gradient from one batched forward (``stacked_forward``) and ordinary autograd on the
-        sum of the client losses (each client's loss depends only on its own parameters); a penalty with a
-        closed-form gradient adds it without autograd."""
-        with torch.enable_grad():
-            leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
-            full = {**frozen, **leaves}
-            local = {names[n]: v for n, v in full.items() if n in names}
-            out = stacked_forward(module, local, x)
-            per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
-            losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
-            closed = penalty is not None and penalty.gradient is not None
-            if penalty is not None and not closed:
-                losses = losses + vmap(penalty.fn)(full, pdata)
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-        grads = {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}
+        sum of the client losses (each client's loss depends only on its own parameters), or by hand for a ReLU
+        network (``layers``: ``relu_net_gradient``); a penalty with a closed-form gradient adds it without
+        autograd."""
+        closed = penalty is not None and penalty.gradient is not None
+        if layers is not None:
+            local = {names[n]: v for n, v in {**frozen, **train}.items() if n in names}
+            found, losses = relu_net_gradient(layers, local, x, y, mask, {names[n] for n in train if n in names})
+            grads = {n: found[names[n]] if n in names and names[n] in found else torch.zeros_like(v)
+                     for n, v in train.items()}  # fmt: skip
+        else:
+            grads, losses = self._autograd_step(module, names, train, frozen, x, y, mask, penalty, pdata)
         if closed:  # the term's gradient and value in one vmap
             with torch.no_grad():
                 values = {**frozen, **train}
@@ -877,6 +970,31 @@ class VectorizedContext:
                 grads = {n: g + extra[n] if n in extra else g for n, g in grads.items()}
                 losses = losses.detach() + value
         return grads, losses
+
+    def _autograd_step(
+        self,
+        module: nn.Module,
+        names: dict[str, str],
+        train: Params,
+        frozen: Params,
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor,
+        penalty: Penalty | None,
+        pdata: Params,
+    ) -> tuple[Params, Tensor]:
+        """``_stacked_step``'s gradient by autograd (a penalty without a closed-form gradient inside it)."""
+        with torch.enable_grad():
+            leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
+            full = {**frozen, **leaves}
+            local = {names[n]: v for n, v in full.items() if n in names}
+            out = stacked_forward(module, local, x)
+            per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
+            losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
+            if penalty is not None and penalty.gradient is None:
+                losses = losses + vmap(penalty.fn)(full, pdata)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        return {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}, losses
 
     def _vmapped_step(
         self, module: nn.Module, names: dict[str, str], phase: _Phase, batchnorm: FunctionalBatchNorm | None

@@ -1796,3 +1796,93 @@ def test_pad_rows_zero_pads_every_client_to_the_longest() -> None:
     assert not out[2].any()
     one = pad_rows([torch.arange(4).reshape(2, 2)])  # a single client, integer rows
     assert one.shape == (1, 2, 2) and one.dtype == torch.int64 and torch.equal(one[0], torch.arange(4).reshape(2, 2))
+
+
+# ---- relu_layers / relu_net_gradient ------------------------------------------------------------------------------
+def _numpy_relu_net(layers: list[tuple[np.ndarray, np.ndarray | None]], x: np.ndarray, y: np.ndarray, m: np.ndarray):
+    """One client's masked mean cross-entropy of a ReLU MLP and its gradient, by hand in numpy (float64)."""
+    hs, h = [], x.reshape(x.shape[0], -1)
+    for i, (w, b) in enumerate(layers):
+        hs.append(h)
+        h = h @ w.T + (0.0 if b is None else b)
+        if i < len(layers) - 1:
+            h = np.maximum(h, 0.0)
+    z = h - h.max(1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    n = max(m.sum(), 1.0)
+    loss = float((-np.log(p[np.arange(len(y)), y]) * m).sum() / n)
+    d = p.copy()
+    d[np.arange(len(y)), y] -= 1.0
+    d *= (m / n)[:, None]
+    grads = []
+    for i in range(len(layers) - 1, -1, -1):
+        w, b = layers[i]
+        grads.append((d.T @ hs[i], None if b is None else d.sum(0)))
+        d = (d @ w) * (hs[i] > 0) if i > 0 else d @ w
+    return loss, grads[::-1]
+
+
+def test_relu_net_gradient_is_each_clients_backpropagation_by_hand() -> None:
+    """A Flatten + Linear/ReLU body and a bias-free head, 3 clients with their own parameters, one with padded
+    rows and one without any: every client's loss and gradient equal a numpy backpropagation of its own MLP, for
+    every trainable subset (a frozen layer on top still passes the gradient down)."""
+    net = SplitModel(nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.ReLU()),
+                     nn.Linear(4, 3, bias=False))  # fmt: skip
+    layers = executors.relu_layers(net)
+    assert [kind for kind, _ in layers] == ["flatten", "linear", "relu", "linear", "relu", "linear"]
+    g = torch.Generator().manual_seed(4)
+    k, b = 3, 7
+    params = {n: torch.randn(k, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
+    x = torch.randn(k, b, 2, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (k, b), generator=g)
+    mask = torch.ones(k, b, dtype=torch.float64)
+    mask[1, 4:] = 0
+    mask[2] = 0
+    names = ["body.1", "body.3", "head"]
+    for trainable in (set(params), {"head.weight"}, {"body.1.weight", "body.1.bias"}, {"body.3.bias"}):
+        grads, losses = executors.relu_net_gradient(layers, params, x, y, mask, trainable)
+        assert set(grads) == trainable
+        for c in range(k):
+            mine = [(params[f"{n}.weight"][c].numpy(), params[f"{n}.bias"][c].numpy() if f"{n}.bias" in params
+                     else None) for n in names]  # fmt: skip
+            loss, expected = _numpy_relu_net(mine, x[c].numpy(), y[c].numpy(), mask[c].numpy())
+            assert abs(losses[c].item() - loss) < 1e-12
+            for n, (gw, gb) in zip(names, expected):
+                if f"{n}.weight" in trainable:
+                    np.testing.assert_allclose(grads[f"{n}.weight"][c].numpy(), gw, rtol=1e-10, atol=1e-12)
+                if f"{n}.bias" in trainable:
+                    np.testing.assert_allclose(grads[f"{n}.bias"][c].numpy(), gb, rtol=1e-10, atol=1e-12)
+        assert losses[2].item() == 0.0 and all(not grads[n][2].any() for n in grads)
+
+
+def test_relu_layers_refuses_other_layers() -> None:
+    assert executors.relu_layers(nn.Sequential(nn.Linear(3, 2), nn.Tanh())) is None
+    assert executors.relu_layers(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())) is None
+    assert executors.relu_layers(DigitsCNN()) is None
+    assert executors.relu_layers(SplitModel(nn.Linear(3, 2), nn.Linear(4, 2), Concat(nn.Linear(2, 2)))) is None
+    assert [kind for kind, _ in executors.relu_layers(DigitsMLP())] == [
+        "flatten", "linear", "relu", "linear", "relu", "linear"]  # fmt: skip
+    assert [arg for kind, arg in executors.relu_layers(DigitsMLP()) if kind == "linear"] == [
+        "body.fc1.", "body.fc2.", "head."]  # fmt: skip
+
+
+def test_stacked_phases_of_a_relu_net_take_the_gradient_by_hand(monkeypatch) -> None:
+    """A ReLU MLP phase (the cross-entropy, no penalty) builds no autograd graph, and each client ends where its own
+    minibatch momentum SGD ends (uneven clients: 23 rows in batches of 10, and 7)."""
+    calls = {"autograd": 0}
+    autograd_step = executors.VectorizedContext._autograd_step
+
+    def counted(self: VectorizedContext, *args: object, **kwargs: object) -> tuple:
+        calls["autograd"] += 1
+        return autograd_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(executors.VectorizedContext, "_autograd_step", counted)
+    xs, ys = data(sizes=(23, 7), dim=6)
+    net = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    params = stacked_params(net, 2)
+    names = list(params)
+    got = context_2(net, xs, ys).sgd(params, names, 1)
+    assert calls["autograd"] == 0
+    assert_each_client_is_its_own_sgd(net, xs, ys, params, names, got, 10, names, rtol=1e-5, atol=1e-6)
+    context_2(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), xs, ys).sgd(params, names, 1)
+    assert calls["autograd"] == 3  # a Tanh network: by autograd, one call per step
