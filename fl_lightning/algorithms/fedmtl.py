@@ -61,8 +61,12 @@ class FedMTL(PersonalModels):
         """s·(‖w‖² + ‖w − w̄‖²): the regulariser's terms in the client's column (same gradient, w̄ fixed)."""
         return self.scale * sum((params[n] ** 2).sum() + ((params[n] - mean[n]) ** 2).sum() for n in mean)
 
+    def regulariser_gradient(self, params: Params, mean: Params) -> Params:
+        """Its gradient s·(2w + 2(w − w̄)), added to the minibatch gradient without an autograd pass."""
+        return {n: self.scale * (2 * params[n] + 2 * (params[n] - mean[n])) for n in mean}
+
     def regulariser(self, mean: Params, names: list[str]) -> Penalty:
-        return Penalty(self.penalty, {n: mean[n] for n in names})
+        return Penalty(self.penalty, {n: mean[n] for n in names}, self.regulariser_gradient)
 
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         w = self.client_model(global_params, state)

@@ -34,8 +34,13 @@ class FedProx(Algorithm):
         """μ/2‖w − w^t‖² over the trained parameters."""
         return 0.5 * self.mu * sum(((params[n] - anchor[n]) ** 2).sum() for n in anchor)
 
+    def proximal_gradient(self, params: Params, anchor: Params) -> Params:
+        """Its gradient μ(w − w^t), added to the minibatch gradient without an autograd pass through the term."""
+        return {n: self.mu * (params[n] - anchor[n]) for n in anchor}
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         start = self.client_model(global_params, state)
         anchor = {n: start[n].detach() for n in ctx.param_names}
-        params = ctx.sgd(start, ctx.param_names, self.local_epochs, penalty=Penalty(self.proximal, anchor))
+        penalty = Penalty(self.proximal, anchor, self.proximal_gradient)
+        params = ctx.sgd(start, ctx.param_names, self.local_epochs, penalty=penalty)
         return self.upload_shared(params, ctx, state, loss=ctx.train_loss)

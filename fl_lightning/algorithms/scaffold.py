@@ -79,11 +79,16 @@ class SCAFFOLD(Algorithm):
         """⟨y, c − c_i⟩: its gradient c − c_i turns g_i(y) into the corrected g_i(y) − c_i + c."""
         return sum((params[n] * correction[n]).sum() for n in correction)
 
+    @staticmethod
+    def drift_gradient(params: Params, correction: Params) -> Params:
+        """Its gradient c − c_i, added to the minibatch gradient without an autograd pass through the term."""
+        return dict(correction)
+
     def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
         c = self.server_variate()
         trained = [n for n in ctx.param_names if n in c]  # buffers keep c_i = c = 0
         correction = {n: (c[n] - state[STATE + n]).detach() for n in trained}
-        drift = Penalty(self.drift, correction)
+        drift = Penalty(self.drift, correction, self.drift_gradient)
         params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=drift)
         steps = ctx.steps_taken  # K: the steps this client took (a straggler's capped count; one per client)
         new_state, upload = {}, {n: params[n] for n in self.trained_names(params)}

@@ -116,3 +116,21 @@ def test_fedmtl_step_from_own_model_anchored_at_the_mean(client):
     assert_params_close_finite(new, want, rtol=1e-9, atol=1e-10)
     assert far(new, reference_sgd(mean, x, y, NAMES_2, 3, penalty=reg(wi)))  # roles of w_i and w̄ swapped
     assert far(new, reference_sgd(wi, x, y, NAMES_2, 3, penalty=reg(mean, -1.0)), gap=1e-4)  # pushed away
+
+
+def test_fedmtl_declares_its_regulariser_gradient_in_closed_form():
+    """The regulariser's closed-form gradient is autograd's gradient of s·(‖w‖² + ‖w − w̄‖²) written here."""
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(3, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    mean = {n: torch.randn(3, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    algo = FedMTL(reg_scale=0.03)
+    algo.setup(w, 5)
+    leaves = {n: v.clone().requires_grad_(True) for n, v in w.items()}
+    value = 0.03 * sum((leaves[n] ** 2).sum() + ((leaves[n] - mean[n]) ** 2).sum() for n in leaves)
+    expected = dict(zip(leaves, torch.autograd.grad(value, list(leaves.values()))))
+    penalty = algo.regulariser(mean, ["a", "b"])
+    got = penalty.gradient(w, penalty.data)
+    assert set(got) == {"a", "b"}
+    for n in w:
+        assert_close_finite(got[n], expected[n], rtol=1e-12, atol=1e-14)
+    assert abs(float(penalty.fn(w, penalty.data)) - float(value)) < 1e-12

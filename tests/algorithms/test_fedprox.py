@@ -3,6 +3,8 @@ defaults, its client update on one client, and its runs through the engine."""
 
 from __future__ import annotations
 
+import torch
+
 from fl_lightning.algorithms import FedProx
 from tests.helpers.functional_mlp import NAMES, HeavyBall, close, rand_params, ref_grad
 
@@ -26,3 +28,20 @@ def test_defaults_and_personal_prefixes():
     algo = FedProx()
     assert (algo.mu, algo.local_epochs, tuple(algo.personal)) == (0.1, 1, ())
     assert tuple(FedProx(personal=["head."]).personal) == ("head.",)
+
+
+def test_fedprox_declares_its_proximal_gradient_in_closed_form():
+    """The penalty's closed-form gradient (so no autograd pass through the term) is autograd's gradient of
+    μ/2‖w − w^t‖² written here, at random points."""
+
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(3, 2, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    anchor = {n: torch.randn(3, 2, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    leaves = {n: v.clone().requires_grad_(True) for n, v in w.items()}
+    value = 0.5 * 0.7 * sum(((leaves[n] - anchor[n]) ** 2).sum() for n in leaves)
+    expected = dict(zip(leaves, torch.autograd.grad(value, list(leaves.values()))))
+    algo = FedProx(mu=0.7)
+    assert set(algo.proximal_gradient(w, anchor)) == {"a", "b"}
+    for n in w:
+        assert torch.allclose(algo.proximal_gradient(w, anchor)[n], expected[n], rtol=0, atol=1e-14)
+    assert abs(float(algo.proximal(w, anchor)) - float(value)) < 1e-12

@@ -97,3 +97,16 @@ def test_scaffold_before_setup_has_no_variates():
     assert algo.local_epochs == 1 and algo.num_clients == 0
     assert algo.server_variate() == {}
     assert algo.init_client_state({"w": torch.zeros(2)}) == {}
+
+
+def test_scaffold_declares_its_drift_gradient_in_closed_form():
+    """The drift term's closed-form gradient is autograd's gradient of ⟨y, c − c_i⟩ written here: c − c_i."""
+    g = torch.Generator().manual_seed(0)
+    y = {n: torch.randn(4, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    correction = {n: torch.randn(4, generator=g, dtype=torch.float64) for n in ("a", "b")}
+    leaves = {n: v.clone().requires_grad_(True) for n, v in y.items()}
+    value = sum((leaves[n] * correction[n]).sum() for n in leaves)
+    expected = dict(zip(leaves, torch.autograd.grad(value, list(leaves.values()))))
+    got = SCAFFOLD.drift_gradient(y, correction)
+    assert set(got) == {"a", "b"} and all(torch.equal(got[n], expected[n]) for n in y)
+    assert abs(float(SCAFFOLD.drift(y, correction)) - float(value)) < 1e-12
