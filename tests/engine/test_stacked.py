@@ -1886,3 +1886,23 @@ def test_stacked_phases_of_a_relu_net_take_the_gradient_by_hand(monkeypatch) -> 
     assert_each_client_is_its_own_sgd(net, xs, ys, params, names, got, 10, names, rtol=1e-5, atol=1e-6)
     context_2(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), xs, ys).sgd(params, names, 1)
     assert calls["autograd"] == 3  # a Tanh network: by autograd, one call per step
+
+
+def test_relu_net_gradient_passes_through_adjacent_linear_layers() -> None:
+    """Two linear layers in a row (no ReLU between), only the lower one trained: its gradient comes through the
+    upper one as each client's own autograd gives it."""
+    net = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    g = torch.Generator().manual_seed(6)
+    params = {n: torch.randn(2, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
+    x = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.float64)
+    grads, losses = executors.relu_net_gradient(executors.relu_layers(net), params, x, y, mask, {"0.weight", "0.bias"})
+    for k in range(2):
+        w0, b0 = params["0.weight"][k].clone().requires_grad_(True), params["0.bias"][k].clone().requires_grad_(True)
+        out = (x[k] @ w0.T + b0) @ params["1.weight"][k].T + params["1.bias"][k]
+        loss = F.cross_entropy(out, y[k])
+        gw, gb = torch.autograd.grad(loss, [w0, b0])
+        assert_close_finite(grads["0.weight"][k], gw, rtol=1e-12, atol=1e-14)
+        assert_close_finite(grads["0.bias"][k], gb, rtol=1e-12, atol=1e-14)
+        assert abs(losses[k].item() - loss.item()) < 1e-12
