@@ -83,9 +83,6 @@ class FedDyn(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {n: global_params[n] for n in self.trained_names(global_params)}
 
-    def client_model(self, global_params: Params, state: Params) -> Params:
-        return dict(global_params)
-
     # -- client and server math --------------------------------------------------------------------------------
     def dynamic_regulariser(self, params: Params, data: Params) -> Tensor:
         """−⟨g_i, θ⟩ + α/2‖θ − θ^{t−1}‖² (``data``: ``grad.<name>`` = g_i, ``<name>`` = θ^{t−1})."""

@@ -73,9 +73,6 @@ class MOON(Algorithm):
     def init_client_state(self, global_params: Params) -> Params:
         return {PREVIOUS + n: global_params[n] for n in self.trained_names(global_params)}
 
-    def client_model(self, global_params: Params, state: Params) -> Params:
-        return dict(global_params)
-
     def previous_model(self, global_params: Params, state: Params) -> Params:
         return {n: state.get(PREVIOUS + n, t) for n, t in global_params.items()}
 

@@ -70,9 +70,6 @@ class SCAFFOLD(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {**{n: global_params[n] for n in self.trained_names(global_params)}, **self.server_variate()}
 
-    def client_model(self, global_params: Params, state: Params) -> Params:
-        return dict(global_params)
-
     # client and server math -----------------------------------------------------------------------------
     @staticmethod
     def drift(params: Params, correction: Params) -> Tensor:

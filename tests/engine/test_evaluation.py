@@ -542,6 +542,21 @@ def test_shared_body_applies_to_a_network_without_a_side_attribute() -> None:
     assert shared_body_applies(_module_2(_BodyHeadOnly()), None)
 
 
+def test_global_model_methods_with_server_or_client_state_evaluate_with_the_shared_body() -> None:
+    """SCAFFOLD, FedDyn and MOON evaluate every client with the global model (their client state is kept under
+    their own prefixes): the shared-body path applies to them, "+FT" of the head included."""
+    from fl_lightning.algorithms import MOON, SCAFFOLD, FedDyn
+
+    for algorithm in (SCAFFOLD(1), FedDyn(1), MOON(1)):
+        module = SimpleNamespace(executor="vectorized", net=SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)),
+                                 algorithm=algorithm)  # fmt: skip
+        assert shared_body_applies(module, None), type(algorithm).__name__
+        assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",))), type(algorithm).__name__
+        glob, state = {"head.weight": torch.ones(2, 2)}, {"x.head.weight": torch.zeros(2, 2)}
+        used = algorithm.client_model(glob, state)
+        assert list(used) == ["head.weight"] and used["head.weight"] is glob["head.weight"]
+
+
 def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
     module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
     module.executor = "sequential"
