@@ -500,7 +500,8 @@ def _evaluate_with_shared_body(
     net.eval()
     body = {n[len("body.") :]: v for n, v in glob.items() if n.startswith("body.")}
     spans = [(test.offsets[c], test.offsets[c + 1]) for c in clients]  # host offsets: no device reads
-    if sum(hi - lo for lo, hi in spans) == 0:
+    sizes = [hi - lo for lo, hi in spans]
+    if sum(sizes) == 0:
         return
     device = test.y.device
     x = test.x[torch.cat([torch.arange(lo, hi, device=device) for lo, hi in spans])]
@@ -510,7 +511,6 @@ def _evaluate_with_shared_body(
         feats = stacked_forward(net.body, {n: v.unsqueeze(0) for n, v in body.items()}, x.unsqueeze(0))[0]
     else:
         feats = torch.cat([functional_call(net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
-    sizes = [hi - lo for lo, hi in spans]
     starts = [0, *itertools.accumulate(sizes)][:-1]
     heads = [{n[len("head.") :]: v for n, v in head.items()} for head in heads]
     if module.fed.num_classes is not None:

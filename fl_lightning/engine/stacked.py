@@ -192,7 +192,7 @@ class BatchedSGD:
         """``step`` of every parameter of a step; SGD with or without momentum (no dampening, Nesterov or
         maximize, one weight decay) as one ``torch._foreach`` op per term over the list, with ``step``'s values."""
         if self.dampening or self.nesterov or self.maximize or len(set(decays)) > 1:
-            return [self.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
+            return step_each(self, ps, gs, states, counts, lr, decays)
         d = gs
         if decays and decays[0]:
             d = torch._foreach_add(gs, torch._foreach_mul(ps, decays[0]))
@@ -243,11 +243,18 @@ class BatchedAdam:
         self, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
         decays: list[float],
     ) -> list[tuple[Tensor, Params]]:  # fmt: skip
-        """``step`` of every parameter of a step, one after another."""
-        return [self.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
+        return step_each(self, ps, gs, states, counts, lr, decays)
 
 
 BatchedRule = BatchedSGD | BatchedAdam
+
+
+def step_each(
+    rule: BatchedRule, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
+    decays: list[float],
+) -> list[tuple[Tensor, Params]]:  # fmt: skip
+    """``rule.step`` of every parameter of a step, one after another (``step_all`` without a fused form)."""
+    return [rule.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
 
 
 def batched_rule(settings: ClientOptimizer) -> BatchedRule | None:
@@ -420,7 +427,7 @@ def relu_net_gradient(
             rows = delta.reshape(k, -1, delta.shape[-1])
             if arg + "weight" in trainable:
                 grads[arg + "weight"] = torch.bmm(rows.transpose(1, 2), flat)
-            if arg + "bias" in trainable and arg + "bias" in params:
+            if arg + "bias" in trainable:
                 grads[arg + "bias"] = rows.sum(1)
             if i > trained[0]:
                 delta = torch.bmm(rows, params[arg + "weight"]).reshape(shape)
@@ -960,7 +967,16 @@ class VectorizedContext:
             grads = {n: found[names[n]] if n in names and names[n] in found else torch.zeros_like(v)
                      for n, v in train.items()}  # fmt: skip
         else:
-            grads, losses = self._autograd_step(module, names, train, frozen, x, y, mask, penalty, pdata)
+            with torch.enable_grad():
+                leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
+                full = {**frozen, **leaves}
+                out = stacked_forward(module, {names[n]: v for n, v in full.items() if n in names}, x)
+                per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
+                losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
+                if penalty is not None and not closed:
+                    losses = losses + vmap(penalty.fn)(full, pdata)
+                found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+            grads = {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), found)}
         if closed:  # the term's gradient and value in one vmap
             with torch.no_grad():
                 values = {**frozen, **train}
@@ -970,31 +986,6 @@ class VectorizedContext:
                 grads = {n: g + extra[n] if n in extra else g for n, g in grads.items()}
                 losses = losses.detach() + value
         return grads, losses
-
-    def _autograd_step(
-        self,
-        module: nn.Module,
-        names: dict[str, str],
-        train: Params,
-        frozen: Params,
-        x: Tensor,
-        y: Tensor,
-        mask: Tensor,
-        penalty: Penalty | None,
-        pdata: Params,
-    ) -> tuple[Params, Tensor]:
-        """``_stacked_step``'s gradient by autograd (a penalty without a closed-form gradient inside it)."""
-        with torch.enable_grad():
-            leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
-            full = {**frozen, **leaves}
-            local = {names[n]: v for n, v in full.items() if n in names}
-            out = stacked_forward(module, local, x)
-            per = self.per_sample_loss(out.flatten(0, 1), y.flatten(0, 1)).view(mask.shape)
-            losses = (per * mask).sum(1) / mask.sum(1).clamp(min=1)
-            if penalty is not None and penalty.gradient is None:
-                losses = losses + vmap(penalty.fn)(full, pdata)
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-        return {n: torch.zeros_like(v) if g is None else g for (n, v), g in zip(leaves.items(), grads)}, losses
 
     def _vmapped_step(
         self, module: nn.Module, names: dict[str, str], phase: _Phase, batchnorm: FunctionalBatchNorm | None
