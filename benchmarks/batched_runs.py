@@ -14,8 +14,9 @@
 
 Times are totals on one CPU thread (torch's, and numpy/scipy's BLAS and scikit-learn's OpenMP through
 ``threadpoolctl``): wall seconds and the process's CPU seconds (on a shared machine the CPU time is the steadier
-of the two); the speed-up is reference / batched. The table is printed, ``results.json`` written
-(``experiment=run_axis``) and ``results: PATH`` is the last line.
+of the two); the speed-up is reference / batched. The table is printed, ``cpu_seconds.png`` (``plot_cpu``: each
+side's CPU seconds, by part for the grids) and ``results.json`` are written (``experiment=run_axis``) and
+``results: PATH`` is the last line.
 """
 
 from __future__ import annotations
@@ -395,6 +396,45 @@ def digits_4x5(args: argparse.Namespace, records: list, rows: list) -> None:
     grid(args, records, rows, "digits_4x5", ["fedavg", "fedprox", "ditto", "fedrep"], 5)
 
 
+def plot_cpu(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """One panel per measured workload: each side's CPU seconds as a bar, split into ``cpu_parts``'s parts where the
+    workload has them, with its speed-up over the panel's first bar (the reference) on top. None when nothing was
+    measured (``design`` is arithmetic)."""
+    panels: dict[str, dict[str, dict[str, float]]] = {}
+    for r in records:
+        if r["metric"].startswith("cpu_s:"):
+            panels.setdefault(r["experiment"], {}).setdefault(r["method"], {})[r["metric"][len("cpu_s:"):]] = r["value"]
+        elif r["metric"] == "cpu_s" and r["experiment"] == "run_axis":
+            panels.setdefault(r["setting"].split(",")[0], {})[r["method"]] = {"total": r["value"]}
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(6.0, 4.5 * len(panels)), 4.5), squeeze=False)
+    for ax, (name, sides) in zip(axes[0], panels.items()):
+        totals = [0.0] * len(sides)
+        for part in dict.fromkeys(p for spent in sides.values() for p in spent):
+            values = [spent.get(part, 0.0) for spent in sides.values()]
+            ax.bar(range(len(sides)), values, bottom=totals, label=part)
+            totals = [t + v for t, v in zip(totals, values)]
+        for x, total in enumerate(totals):
+            ax.text(x, total, f"{totals[0] / total:.2f}x" if total else "-", ha="center", va="bottom")
+        ax.set_xticks(range(len(sides)), list(sides), rotation=20, ha="right")
+        ax.set_ylabel("CPU seconds (1 thread)")
+        ax.set_title(name)
+        if len(ax.get_legend_handles_labels()[0]) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle("CPU seconds; on top: speed-up over the first bar", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _clear(run_dir: Path) -> None:
     import shutil
 
@@ -431,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Batched runs vs the same runs one after another (totals, 1 CPU thread; speed-up = reference / batched)")
     print(format_table(["workload", "runs", "wall_s", "cpu_s", "speedup_wall", "speedup_cpu", "max_abs_diff"], rows))
+    plot = plot_cpu(records, args.out / "cpu_seconds.png")
+    if plot is not None:
+        print(f"plot: {plot}")
     path = write_results(records, args.out)
     print(f"results: {path}")
     return 0

@@ -8,6 +8,7 @@ import time
 
 from benchmarks import batched_runs
 from fl_lightning.engine import evaluation, executor
+from fl_lightning.results import record
 
 
 def burn(seconds: float) -> None:
@@ -53,3 +54,37 @@ def test_cpu_parts_counts_a_call_that_raises() -> None:
     finally:
         executor.run_clients = saved
     assert spent["client training"] >= 0.05
+
+
+def test_plot_cpu_draws_one_panel_per_measured_workload_with_each_sides_parts(tmp_path, monkeypatch) -> None:
+    records = [
+        record("table1_digits", "sequential", "cpu_s:client training", 30.0),
+        record("table1_digits", "sequential", "cpu_s:everything else", 10.0),
+        record("table1_digits", "default command", "cpu_s:client training", 6.0),
+        record("table1_digits", "default command", "cpu_s:everything else", 4.0),
+        record("run_axis", "sequential x5", "cpu_s", 50.0, setting="digits_fedrep,seeds=5"),
+        record("run_axis", "batched x5", "cpu_s", 10.0, setting="digits_fedrep,seeds=5"),
+        record("run_axis", "design", "design_gflop_per_run", 1.0, setting="design,CIFAR-10"),
+    ]
+    import matplotlib.pyplot as plt
+
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its bars
+    path = batched_runs.plot_cpu(records, tmp_path / "cpu.png")
+    assert path == tmp_path / "cpu.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figures
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(panels) == {"table1_digits", "digits_fedrep"}  # nothing from the design arithmetic
+    bars = {title: sorted((round(p.get_x() + p.get_width() / 2), p.get_y(), p.get_height()) for p in ax.patches)
+            for title, ax in panels.items()}  # fmt: skip
+    # each side a bar, its parts stacked: (position, bottom, height)
+    assert bars["table1_digits"] == [(0, 0.0, 30.0), (0, 30.0, 10.0), (1, 0.0, 6.0), (1, 6.0, 4.0)]
+    assert bars["digits_fedrep"] == [(0, 0.0, 50.0), (1, 0.0, 10.0)]
+    speedups = {title: [t.get_text() for t in ax.texts] for title, ax in panels.items()}
+    assert speedups == {"table1_digits": ["1.00x", "4.00x"], "digits_fedrep": ["1.00x", "5.00x"]}
+
+
+def test_plot_cpu_writes_nothing_without_a_measurement(tmp_path) -> None:
+    design = [record("run_axis", "design", "design_steps_per_run", 3.0, setting="design,CIFAR-10")]
+    assert batched_runs.plot_cpu(design, tmp_path / "c.png") is None
+    assert not (tmp_path / "c.png").exists()
