@@ -324,8 +324,8 @@ def cpu_parts():
 def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods: list[str] | None, seeds: int) -> None:
     """An experiment grid (configs/experiments/table1_digits.yaml, or some of its methods) by the runner's default
     command (runs batched, the default executor) against the same grid forced onto ``model.executor: sequential``
-    with ``--batch-runs 1``; wall and CPU seconds (this process and its children) and the largest difference of any
-    run's final / last10 / best."""
+    with ``--batch-runs 1``, after one warm-up round of every method on both sides; wall and CPU seconds (this
+    process and its children) and the largest difference of any run's final / last10 / best."""
     from fl_lightning.experiment.runner import run_experiment
     from fl_lightning.experiment.spec import load_experiment, override
 
@@ -339,10 +339,16 @@ def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods
     setting = f"{name},methods={len(experiment.axes['method'])},seeds={seeds},rounds={rounds}"
     results: dict[str, tuple] = {}
     parts: dict[str, dict[str, float]] = {}
-    for label, extra, batch_runs in (
-        ("sequential, one at a time", [*common, override("model.executor", "sequential")], 1),
-        ("default command", common, None),
-    ):
+    sides = (("sequential, one at a time", [*common, override("model.executor", "sequential")], 1),
+             ("default command", common, None))  # fmt: skip
+    # warm-up outside the timings: every method for one round on both sides (imports, first-call costs), which
+    # the side measured first would otherwise pay alone
+    warm = dataclasses.replace(experiment.with_seeds(range(2)), runs_dir=args.out / name / "warm-up")
+    for _, extra, batch_runs in sides:
+        _clear(warm.runs_dir)
+        with quiet():
+            run_experiment(warm, [*extra, override("trainer.max_steps", 1)], batch_runs=batch_runs, out=io.StringIO())
+    for label, extra, batch_runs in sides:
         root = args.out / name / label.split(",")[0].replace(" ", "_")
         _clear(root)
         exp = dataclasses.replace(experiment, runs_dir=root)
