@@ -32,7 +32,8 @@ def test_cpu_parts_charges_each_part_its_own_cpu_time_and_restores_the_functions
         other_run.start()
         evaluation.evaluate_clients(0.2)  # this thread waits: the other threads' CPU is not charged to it
         other_run.join()
-    assert set(spent) == {"client training", "client evaluation"}
+    assert set(spent) == {part for _, _, part in batched_runs.PARTS}
+    assert {"client training", "client evaluation", "self.log", "checkpoints"} <= set(spent)
     assert 0.25 <= spent["client training"] < 0.4
     assert spent["client evaluation"] < 0.05
     assert executor.run_clients is training and evaluation.evaluate_clients is scoring
@@ -54,6 +55,18 @@ def test_cpu_parts_counts_a_call_that_raises() -> None:
     finally:
         executor.run_clients = saved
     assert spent["client training"] >= 0.05
+
+
+def test_cpu_parts_charges_a_method_of_a_class_and_puts_it_back(monkeypatch) -> None:
+    from fl_lightning.engine.module import FederatedModule
+
+    monkeypatch.setattr(FederatedModule, "_server_step", lambda self, seconds: burn(seconds))
+    server_step = FederatedModule.__dict__["_server_step"]
+    with batched_runs.cpu_parts() as spent:
+        FederatedModule._server_step(None, 0.1)  # as a run's training_step calls it
+    assert 0.1 <= spent["aggregation and server step"] < 0.2
+    assert spent["client training"] == spent["self.log"] == 0.0
+    assert FederatedModule.__dict__["_server_step"] is server_step
 
 
 def test_plot_cpu_draws_one_panel_per_measured_workload_with_each_sides_parts(tmp_path, monkeypatch) -> None:
