@@ -1290,6 +1290,26 @@ def test_a_trained_name_the_network_does_not_use_stays_as_it_is() -> None:
     check_clients(got, base, xs, (lambda x, y, k: linear_loss(x, y), ys), ["weight", "bias"], 1)
 
 
+def test_the_autograd_step_leaves_an_unused_trained_name_and_averages_a_one_row_batch() -> None:
+    """A stacked network that is not a ReLU one (a Tanh output: the step takes autograd's gradient): a trained name
+    the network does not use stays as it is, and client 1's batch of one real row (padded to client 0's four) is
+    its mean over that one row; each client ends where its own torch SGD ends and reports its own loss."""
+    xs, ys = data(sizes=(4, 1))
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    params = {**stacked_params(net, 2), "extra": torch.ones(2, 5)}
+    ctx = context_2(net, xs, ys)
+    got = ctx.sgd(params, ["0.weight", "0.bias", "extra"], 1)
+    assert_close_finite(got["extra"], torch.ones(2, 5), rtol=0, atol=0)
+
+    def loss(x: Tensor, y: Tensor, k: int) -> Callable[[Params], Tensor]:
+        return lambda p: F.cross_entropy(torch.tanh(x @ p["0.weight"].T + p["0.bias"]), y)
+
+    base = {n: v for n, v in params.items() if n != "extra"}
+    check_clients(got, base, xs, (loss, ys), ["0.weight", "0.bias"], 1)
+    for k in range(2):
+        assert_close_finite(ctx.train_loss[k], loss(xs[k], ys[k], k)(unstack(base, k)), rtol=1e-6, atol=1e-7)
+
+
 def test_regression_targets_with_several_outputs() -> None:
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(4, 4, generator=g), torch.randn(3, 4, generator=g)]
