@@ -675,6 +675,22 @@ def test_step_all_takes_the_foreach_form_exactly_where_it_applies(monkeypatch: p
         assert len(calls) == (2 if per_parameter else 0), hyper
 
 
+def test_step_all_of_a_single_parameter_with_weight_decay_by_hand() -> None:
+    """One parameter (a bias-free one-layer network), weight decay λ and momentum μ, two steps written out:
+    d = g + λθ, b₁ = d₁, b₂ = μb₁ + d₂, θ ← θ − ηb."""
+    rule = BatchedSGD({**SGD_HYPER, "momentum": 0.5})
+    p0 = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)
+    g1, g2 = torch.full_like(p0, 0.25), torch.tensor([[1.0, 0.0], [-1.0, 2.0]], dtype=torch.float64)
+    count = [torch.zeros(2, dtype=torch.long)]
+    ((p1, s1),) = rule.step_all([p0], [g1], [rule.init(p0)], count, 0.1, [0.2])
+    ((p2, _),) = rule.step_all([p1], [g2], [s1], count, 0.1, [0.2])
+    b1 = g1 + 0.2 * p0
+    want1 = p0 - 0.1 * b1
+    want2 = want1 - 0.1 * (0.5 * b1 + g2 + 0.2 * want1)
+    assert_close_finite(p1, want1, rtol=1e-14, atol=1e-15)
+    assert_close_finite(p2, want2, rtol=1e-14, atol=1e-15)
+
+
 def test_step_all_without_weight_decay_leaves_an_overflowed_parameter_as_torch_sgd_does() -> None:
     """Without weight decay torch adds no λθ term, so an infinite entry stays infinite (0·∞ would be NaN) and every
     other entry steps as usual."""
