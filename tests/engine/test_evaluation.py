@@ -798,7 +798,7 @@ def test_shared_body_regression_scores_each_clients_head_by_hand(monkeypatch: py
 def test_shared_body_scores_a_single_test_row_with_any_body(layer_norm: bool) -> None:
     """The shared-body path with one test row among all its clients (client 1's; client 0 has none) scores that
     row: its head on the global body's features by hand, for a body ``stacked_forward`` computes (Linear, Tanh)
-    and one it does not (a LayerNorm: the body runs as a plain module)."""
+    and one it does not (a LayerNorm: the body runs as a plain module); an empty list of clients adds nothing."""
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(2)
     body = [nn.Linear(4, 5), *([nn.LayerNorm(5)] if layer_norm else []), nn.Tanh()]
@@ -819,3 +819,5 @@ def test_shared_body_scores_a_single_test_row_with_any_body(layer_norm: bool) ->
     expected = float(F.cross_entropy(out.float(), y, reduction="sum"))
     assert float(scores.loss_sum[1]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
     assert float(scores.loss_sum[0]) == 0.0
+    evaluation.evaluate_clients(module, [], ROUND, scores, state_of=lambda c: heads[c])  # no client: nothing added
+    assert scores.total.tolist() == [0, 1] and float(scores.loss_sum[1]) == pytest.approx(expected, rel=1e-6)
