@@ -14,6 +14,7 @@ module of the project, else to ``a``; an import of something outside the project
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,10 @@ def test_evaluation_never_imports_the_module(graph: dict[str, set[str]]) -> None
     assert "fl_lightning.engine.module" not in graph["fl_lightning.engine.executor"]
 
 
+@pytest.mark.skipif(
+    "MUTANT_UNDER_TEST" in os.environ,
+    reason="mutmut's copy of engine/module.py holds every mutant of its functions next to the original",
+)
 def test_the_round_stays_readable_the_engine_module_under_450_lines() -> None:
     """Issue 32: ``engine/module.py`` holds the Lightning hooks only; the summary, the bank's placement, privacy and
     the evaluation paths live beside it."""

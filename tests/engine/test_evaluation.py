@@ -792,3 +792,32 @@ def test_shared_body_regression_scores_each_clients_head_by_hand(monkeypatch: py
         err = float(((_hand_forward({**glob, **heads[c]}, x, False) - y) ** 2).sum())
         assert scores.total[c] == x.shape[0] and scores.correct[c] == 0
         assert math.isfinite(err) and float(scores.loss_sum[c]) == pytest.approx(err, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["stacked_body", "layernorm_body"])
+def test_shared_body_scores_a_single_test_row_with_any_body(layer_norm: bool) -> None:
+    """The shared-body path with one test row among all its clients (client 1's; client 0 has none) scores that
+    row: its head on the global body's features by hand, for a body ``stacked_forward`` computes (Linear, Tanh)
+    and one it does not (a LayerNorm: the body runs as a plain module); an empty list of clients adds nothing."""
+    gen = torch.Generator().manual_seed(3)
+    torch.manual_seed(2)
+    body = [nn.Linear(4, 5), *([nn.LayerNorm(5)] if layer_norm else []), nn.Tanh()]
+    net = SplitModel(nn.Sequential(*body), nn.Linear(5, 3)).double()
+    module = FederatedModule(FedAvg(1, personal=("head.",)), net, executor="vectorized")
+    module.attach_data(FederatedData(_split([4, 4], gen), _split([0, 1], gen), 3, seed=SEED))
+    assert shared_body_applies(module, None, 2)
+    glob = module.global_params()
+    heads = [{"head.weight": glob["head.weight"] + 0.3 * c, "head.bias": glob["head.bias"] - 0.2 * c} for c in (0, 1)]
+    scores = PerClientScores(2)
+    evaluation.evaluate_clients(module, [0, 1], ROUND, scores, state_of=lambda c: heads[c])
+    x, y = module.fed.test.client(1)
+    h = x @ glob["body.0.weight"].T + glob["body.0.bias"]
+    if layer_norm:
+        h = F.layer_norm(h, (5,), glob["body.1.weight"], glob["body.1.bias"])
+    out = torch.tanh(h) @ heads[1]["head.weight"].T + heads[1]["head.bias"]
+    assert scores.total.tolist() == [0, 1] and scores.correct[1] == float((out.argmax(1) == y).sum())
+    expected = float(F.cross_entropy(out.float(), y, reduction="sum"))
+    assert float(scores.loss_sum[1]) == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert float(scores.loss_sum[0]) == 0.0
+    evaluation.evaluate_clients(module, [], ROUND, scores, state_of=lambda c: heads[c])  # no client: nothing added
+    assert scores.total.tolist() == [0, 1] and float(scores.loss_sum[1]) == pytest.approx(expected, rel=1e-6)

@@ -608,6 +608,101 @@ def test_step_all_steps_every_parameter_as_its_own_torch_sgd() -> None:
         assert all(not torch.equal(p, s) for p, s in zip(ps, start))
 
 
+def _sgd_reference(start: Tensor, grads: list[Tensor], hyper: dict, decay: float) -> Tensor:
+    """Each client's parameter after ``torch.optim.SGD``'s steps with the given gradients, client by client."""
+    out = []
+    for k in range(start.shape[0]):
+        leaf = start[k].clone().requires_grad_(True)
+        opt = torch.optim.SGD([leaf], **{**hyper, "weight_decay": decay})
+        for g in grads:
+            leaf.grad = g[k].clone()
+            opt.step()
+        out.append(leaf.detach())
+    return torch.stack(out)
+
+
+def test_step_all_maximizing_or_of_one_parameter_steps_as_torch_sgd() -> None:
+    """``step_all`` with ``maximize`` (with and without momentum, with one weight decay) ascends as
+    ``torch.optim.SGD(maximize=True)`` does, and a step of a single parameter (a bias-free one-layer network) with
+    weight decay and momentum is torch's (float64, 1e-12)."""
+    g = torch.Generator().manual_seed(12)
+    cases = [
+        (dict(lr=0.1, maximize=True), [(4, 3), (3,)], [0.0, 0.0]),
+        (dict(lr=0.05, momentum=0.5, maximize=True), [(4, 3), (3,)], [0.02, 0.02]),
+        (dict(lr=0.05, momentum=0.5), [(4, 3)], [0.03]),
+        (dict(lr=0.05), [(2, 2)], [0.03]),
+    ]
+    k_clients, steps = 3, 3
+    for hyper, shapes, decays in cases:
+        rule = BatchedSGD({**SGD_HYPER, **hyper})
+        start = [torch.randn(k_clients, *s, generator=g, dtype=torch.float64) for s in shapes]
+        grads = [[torch.randn(k_clients, *s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(steps)]
+        ps, states = list(start), [rule.init(p) for p in start]
+        for t in range(steps):
+            counts = [torch.full((k_clients,), t, dtype=torch.long) for _ in shapes]
+            stepped = rule.step_all(ps, grads[t], states, counts, hyper["lr"], decays)
+            ps, states = [p for p, _ in stepped], [s for _, s in stepped]
+        for i in range(len(shapes)):
+            want = _sgd_reference(start[i], [grads[t][i] for t in range(steps)], hyper, decays[i])
+            assert_close_finite(ps[i], want, rtol=1e-12, atol=1e-12, msg=f"{hyper} {decays} {i}")
+
+
+def test_step_all_takes_the_foreach_form_exactly_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain SGD, momentum and one weight decay for every parameter never call the per-parameter ``step``;
+    dampening, Nesterov, maximize or decays that differ go through it, once per parameter."""
+    calls: list[int] = []
+    real_step = BatchedSGD.step
+
+    def counted(self: BatchedSGD, *args: object) -> tuple:
+        calls.append(1)
+        return real_step(self, *args)
+
+    monkeypatch.setattr(BatchedSGD, "step", counted)
+    ps = [torch.ones(2, 3), torch.ones(2)]
+    gs = [torch.full((2, 3), 0.5), torch.full((2,), 0.5)]
+    counts = [torch.zeros(2, dtype=torch.long)] * 2
+    for hyper, decays, per_parameter in [
+        (dict(), [0.0, 0.0], False),
+        (dict(momentum=0.9), [0.1, 0.1], False),
+        (dict(), [0.1, 0.0], True),
+        (dict(momentum=0.9, dampening=0.5), [0.0, 0.0], True),
+        (dict(momentum=0.9, nesterov=True), [0.0, 0.0], True),
+        (dict(maximize=True), [0.0, 0.0], True),
+    ]:
+        rule = BatchedSGD({**SGD_HYPER, **hyper})
+        calls.clear()
+        rule.step_all(ps, gs, [rule.init(p) for p in ps], counts, 0.1, decays)
+        assert len(calls) == (2 if per_parameter else 0), hyper
+
+
+def test_step_all_of_a_single_parameter_with_weight_decay_by_hand() -> None:
+    """One parameter (a bias-free one-layer network), weight decay λ and momentum μ, two steps written out:
+    d = g + λθ, b₁ = d₁, b₂ = μb₁ + d₂, θ ← θ − ηb."""
+    rule = BatchedSGD({**SGD_HYPER, "momentum": 0.5})
+    p0 = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)
+    g1, g2 = torch.full_like(p0, 0.25), torch.tensor([[1.0, 0.0], [-1.0, 2.0]], dtype=torch.float64)
+    count = [torch.zeros(2, dtype=torch.long)]
+    ((p1, s1),) = rule.step_all([p0], [g1], [rule.init(p0)], count, 0.1, [0.2])
+    ((p2, _),) = rule.step_all([p1], [g2], [s1], count, 0.1, [0.2])
+    b1 = g1 + 0.2 * p0
+    want1 = p0 - 0.1 * b1
+    want2 = want1 - 0.1 * (0.5 * b1 + g2 + 0.2 * want1)
+    assert_close_finite(p1, want1, rtol=1e-14, atol=1e-15)
+    assert_close_finite(p2, want2, rtol=1e-14, atol=1e-15)
+
+
+def test_step_all_without_weight_decay_leaves_an_overflowed_parameter_as_torch_sgd_does() -> None:
+    """Without weight decay torch adds no λθ term, so an infinite entry stays infinite (0·∞ would be NaN) and every
+    other entry steps as usual."""
+    rule = BatchedSGD(dict(SGD_HYPER))
+    p = torch.tensor([[1.0, float("inf")], [2.0, -3.0]], dtype=torch.float64)
+    g = torch.tensor([[0.5, 0.25], [1.0, -1.0]], dtype=torch.float64)
+    (new, _), = rule.step_all([p], [g], [{}], [torch.zeros(2, dtype=torch.long)], 0.1, [0.0])
+    want = _sgd_reference(p, [g], dict(lr=0.1), 0.0)
+    assert not new.isnan().any() and torch.equal(new, want)
+    assert new[0, 1] == float("inf")
+
+
 def test_batched_rule_is_none_without_a_batched_form() -> None:
     """Optimisers the executor cannot stack: another class, a tensor learning rate."""
     from fl_lightning.engine.stacked import BatchedAdam, BatchedSGD, batched_rule
@@ -1209,6 +1304,26 @@ def test_a_trained_name_the_network_does_not_use_stays_as_it_is() -> None:
     assert_close_finite(got["extra"], torch.ones(2, 5), rtol=0, atol=0)
     base = {n: v for n, v in params.items() if n != "extra"}
     check_clients(got, base, xs, (lambda x, y, k: linear_loss(x, y), ys), ["weight", "bias"], 1)
+
+
+def test_the_autograd_step_leaves_an_unused_trained_name_and_averages_a_one_row_batch() -> None:
+    """A stacked network that is not a ReLU one (a Tanh output: the step takes autograd's gradient): a trained name
+    the network does not use stays as it is, and client 1's batch of one real row (padded to client 0's four) is
+    its mean over that one row; each client ends where its own torch SGD ends and reports its own loss."""
+    xs, ys = data(sizes=(4, 1))
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+    params = {**stacked_params(net, 2), "extra": torch.ones(2, 5)}
+    ctx = context_2(net, xs, ys)
+    got = ctx.sgd(params, ["0.weight", "0.bias", "extra"], 1)
+    assert_close_finite(got["extra"], torch.ones(2, 5), rtol=0, atol=0)
+
+    def loss(x: Tensor, y: Tensor, k: int) -> Callable[[Params], Tensor]:
+        return lambda p: F.cross_entropy(torch.tanh(x @ p["0.weight"].T + p["0.bias"]), y)
+
+    base = {n: v for n, v in params.items() if n != "extra"}
+    check_clients(got, base, xs, (loss, ys), ["0.weight", "0.bias"], 1)
+    for k in range(2):
+        assert_close_finite(ctx.train_loss[k], loss(xs[k], ys[k], k)(unstack(base, k)), rtol=1e-6, atol=1e-7)
 
 
 def test_regression_targets_with_several_outputs() -> None:
@@ -1908,3 +2023,43 @@ def test_relu_net_gradient_passes_through_adjacent_linear_layers() -> None:
         assert_close_finite(grads["0.weight"][k], gw, rtol=1e-12, atol=1e-14)
         assert_close_finite(grads["0.bias"][k], gb, rtol=1e-12, atol=1e-14)
         assert abs(losses[k].item() - loss.item()) < 1e-12
+
+
+def _own_masked_loss_and_grads(net: nn.Module, mine: Params, x: Tensor, y: Tensor, m: Tensor, names: list[str]):
+    """One client's masked mean cross-entropy Σ m_b·ce_b / max(Σ m_b, 1) of its own module and autograd's gradient
+    for ``names`` (plain torch, float64)."""
+    leaves = {n: v.clone().requires_grad_(True) for n, v in mine.items()}
+    ce = F.cross_entropy(functional_call(net, leaves, (x,)), y, reduction="none")
+    loss = (ce * m).sum() / m.sum().clamp(min=1)
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names]) if names else ()
+    return loss.detach(), dict(zip(names, grads))
+
+
+def test_relu_net_gradient_through_flattens_inside_the_network_is_each_clients_autograd() -> None:
+    """Flatten layers between the linear ones (``Flatten(-2, -1)`` joining a row's two linear outputs,
+    ``Flatten(1, 1)`` and ``Flatten(0, 0)``, which leave one client's rows as they are), the lowest layer first in
+    the list; 3 clients with 5 rows: all real, one real row, none. Every trainable subset (the lowest layer's
+    weight or bias alone, nothing) gives each client's own loss and autograd gradient."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Flatten(-2, -1), nn.Linear(8, 5), nn.ReLU(), nn.Flatten(1, 1),
+                        nn.Flatten(0, 0), nn.Linear(5, 3))  # fmt: skip
+    layers = executors.relu_layers(net)
+    assert [kind for kind, _ in layers] == ["linear", "relu", "flatten", "linear", "relu", "flatten", "flatten",
+                                            "linear"]  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    k, b = 3, 5
+    params = {n: torch.randn(k, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
+    x = torch.randn(k, b, 2, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (k, b), generator=g)
+    mask = torch.ones(k, b, dtype=torch.float64)
+    mask[1, 1:] = 0
+    mask[2] = 0
+    for trainable in (set(params), {"0.weight"}, {"0.bias"}, {"3.bias", "7.weight"}, set()):
+        grads, losses = executors.relu_net_gradient(layers, params, x, y, mask, trainable)
+        assert set(grads) == trainable
+        for c in range(k):
+            mine = {n: v[c] for n, v in params.items()}
+            loss, expected = _own_masked_loss_and_grads(net, mine, x[c], y[c], mask[c], sorted(trainable))
+            assert abs(losses[c].item() - loss.item()) < 1e-12, (trainable, c)
+            for n in trainable:
+                assert_close_finite(grads[n][c], expected[n], rtol=1e-10, atol=1e-12, msg=f"{trainable} {c} {n}")
+    assert losses[1].item() > 0 and losses[2].item() == 0.0
