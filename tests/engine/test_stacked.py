@@ -1937,6 +1937,19 @@ def _numpy_relu_net(layers: list[tuple[np.ndarray, np.ndarray | None]], x: np.nd
     return loss, grads[::-1]
 
 
+def _relu_clients(net: nn.Module, seed: int, rows: int, real_rows_of_client_1: int):
+    """3 clients' float64 parameters of ``net``, inputs ``[3, rows, 2, 3]``, labels of 3 classes and the row mask:
+    client 0 all rows real, client 1 its first ``real_rows_of_client_1``, client 2 none."""
+    g = torch.Generator().manual_seed(seed)
+    params = {n: torch.randn(3, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
+    x = torch.randn(3, rows, 2, 3, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (3, rows), generator=g)
+    mask = torch.ones(3, rows, dtype=torch.float64)
+    mask[1, real_rows_of_client_1:] = 0
+    mask[2] = 0
+    return params, x, y, mask
+
+
 def test_relu_net_gradient_is_each_clients_backpropagation_by_hand() -> None:
     """A Flatten + Linear/ReLU body and a bias-free head, 3 clients with their own parameters, one with padded
     rows and one without any: every client's loss and gradient equal a numpy backpropagation of its own MLP, for
@@ -1945,14 +1958,8 @@ def test_relu_net_gradient_is_each_clients_backpropagation_by_hand() -> None:
                      nn.Linear(4, 3, bias=False))  # fmt: skip
     layers = executors.relu_layers(net)
     assert [kind for kind, _ in layers] == ["flatten", "linear", "relu", "linear", "relu", "linear"]
-    g = torch.Generator().manual_seed(4)
-    k, b = 3, 7
-    params = {n: torch.randn(k, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
-    x = torch.randn(k, b, 2, 3, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (k, b), generator=g)
-    mask = torch.ones(k, b, dtype=torch.float64)
-    mask[1, 4:] = 0
-    mask[2] = 0
+    k = 3
+    params, x, y, mask = _relu_clients(net, seed=4, rows=7, real_rows_of_client_1=4)
     names = ["body.1", "body.3", "head"]
     for trainable in (set(params), {"head.weight"}, {"body.1.weight", "body.1.bias"}, {"body.3.bias"}):
         grads, losses = executors.relu_net_gradient(layers, params, x, y, mask, trainable)
@@ -2045,14 +2052,8 @@ def test_relu_net_gradient_through_flattens_inside_the_network_is_each_clients_a
     layers = executors.relu_layers(net)
     assert [kind for kind, _ in layers] == ["linear", "relu", "flatten", "linear", "relu", "flatten", "flatten",
                                             "linear"]  # fmt: skip
-    g = torch.Generator().manual_seed(8)
-    k, b = 3, 5
-    params = {n: torch.randn(k, *p.shape, generator=g, dtype=torch.float64) for n, p in net.named_parameters()}
-    x = torch.randn(k, b, 2, 3, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (k, b), generator=g)
-    mask = torch.ones(k, b, dtype=torch.float64)
-    mask[1, 1:] = 0
-    mask[2] = 0
+    k = 3
+    params, x, y, mask = _relu_clients(net, seed=8, rows=5, real_rows_of_client_1=1)
     for trainable in (set(params), {"0.weight"}, {"0.bias"}, {"3.bias", "7.weight"}, set()):
         grads, losses = executors.relu_net_gradient(layers, params, x, y, mask, trainable)
         assert set(grads) == trainable
