@@ -553,7 +553,7 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
 
 def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]:
     """Parse; fit (print the result table, return the run summary) or validate/test a checkpoint (print and
-    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.engine.run_axis``)."""
+    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.experiment.run_axis``)."""
     stage, args = split_subcommand(list(sys.argv[1:] if args is None else args))
     check_config_files(args)
     from jsonargparse import ArgumentError

@@ -99,7 +99,7 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
 def logged_offline(run_dir: Path, run_id: str) -> dict[int, set[str]]:
     """What the earlier processes of W&B run ``run_id`` already wrote into ``run_dir/wandb/offline-run-*``: the
     metric keys of every ``trainer/global_step``."""
-    from fl_lightning.experiment.wandb_files import offline_runs
+    from fl_lightning.wandb_files import offline_runs
 
     done: dict[int, set[str]] = {}
     if not (run_dir / "wandb").is_dir():

@@ -12,7 +12,7 @@ once, with which client optimiser and augmentation), under ``model.executor``:
   an augmentation that cannot draw ahead) ``auto`` runs the loop.
 
 Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluation``) and the run axis
-(``fl_lightning.engine.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
+(``fl_lightning.experiment.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
 ``FederatedModule`` (``FederatedRun`` names what they read of it) and never import it.
 """
 
@@ -238,7 +238,7 @@ def run_clients(
     through the algorithm."""
     if not clients:
         return []
-    if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.engine.run_axis)
+    if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.experiment.run_axis)
         return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets)
     states, kept = zip(*(split_state(st) for st in states))
     keep = module.keep_client_optimizer_state

@@ -181,7 +181,7 @@ class FederatedModule(L.LightningModule):
         self.final_clients: ClientEvaluation | None = None  #: per-client numbers behind final (final_ft with "+FT")
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
-        self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
+        self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
 

@@ -422,7 +422,7 @@ def test_a_finished_run_is_byte_identical_after_every_refused_command(finished, 
 
 @pytest.mark.slow  # W&B's service starts twice
 def test_a_resumed_offline_wandb_run_logs_no_round_twice(tmp_path, monkeypatch, capsys):
-    from fl_lightning.experiment.wandb_files import offline_runs
+    from fl_lightning.wandb_files import offline_runs
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params
-from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest
+from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest
 
 if TYPE_CHECKING:
     from fl_lightning.engine.module import FederatedModule

@@ -20,13 +20,13 @@ from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler, make_generator
-from fl_lightning.engine.run_axis import BatchedRuns, check_batchable, parse_config
-from fl_lightning.engine.run_axis.__main__ import main as run_axis_main
-from fl_lightning.engine.run_axis.__main__ import seed_runs
-from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
-from fl_lightning.engine.run_axis.shared_data import RowPool, SharedRowsSplit
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.run_axis import BatchedRuns, check_batchable, parse_config
+from fl_lightning.experiment.run_axis.__main__ import main as run_axis_main
+from fl_lightning.experiment.run_axis.__main__ import seed_runs
+from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
+from fl_lightning.experiment.run_axis.shared_data import RowPool, SharedRowsSplit
 from fl_lightning.models import DigitsMLP
 from tests.helpers.asserts import assert_close_finite
 
@@ -371,7 +371,7 @@ def test_stacked_mlp_gradients_equal_each_clients_own(act, task):
 
 def test_runs_that_differ_only_in_naming_and_seed_are_parsed_once(monkeypatch):
     """A grid's seeds share one parse (building train.py's parser is a large part of a short batched job)."""
-    from fl_lightning.engine.run_axis import driver
+    from fl_lightning.experiment.run_axis import driver
 
     base = ["--config", str(ROOT / "configs/digits/base.yaml"), "--config", str(ROOT / "configs/digits/fedavg.yaml")]
     seeds = [[*base, f"--seed_everything={s}", "--run_dir", f"/tmp/r/s{s}", f"--wandb.name=s{s}"] for s in range(3)]

@@ -1,4 +1,4 @@
-"""``python -m fl_lightning.engine.run_axis [train.py args…] --seeds 0,1,2 | --runs FILE.json``: one batched job."""
+"""``python -m fl_lightning.experiment.run_axis [train.py args…] --seeds 0,1,2 | --runs FILE.json``: one batched job."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 from fl_lightning.errors import ConfigError
 
 USAGE = """\
-usage: python -m fl_lightning.engine.run_axis --config CONFIG.yaml [--config MORE.yaml] [--key VALUE ...] --seeds 0,1,2
-       python -m fl_lightning.engine.run_axis --runs RUNS.json
+usage: python -m fl_lightning.experiment.run_axis --config CONFIG.yaml [--config MORE.yaml] [--key VALUE ...]
+           --seeds 0,1,2
+       python -m fl_lightning.experiment.run_axis --runs RUNS.json
 
 Trains several train.py runs as one batched job (their clients of each round trained together); every run writes
 its own run dir exactly as train.py does.
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args in (["-h"], ["--help"]):
         print(USAGE, end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
-    from fl_lightning.engine.run_axis.driver import BatchedRuns
     from fl_lightning.errors import one_line
+    from fl_lightning.experiment.run_axis.driver import BatchedRuns
 
     try:
         names = logs = None

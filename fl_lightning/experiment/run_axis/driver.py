@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_lightning.engine.run_axis.cohorts import combinable
-from fl_lightning.engine.run_axis.lockstep import Interrupted, Lockstep
-from fl_lightning.engine.run_axis.shared_data import RowPool
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.run_axis.cohorts import combinable
+from fl_lightning.experiment.run_axis.lockstep import Interrupted, Lockstep
+from fl_lightning.experiment.run_axis.shared_data import RowPool
 
 
 @dataclass
