@@ -10,7 +10,6 @@ runs the one shared network skeleton with ``torch.func.functional_call``.
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from fl_lightning.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 Params = dict[str, Tensor]
 
@@ -206,16 +203,6 @@ class ClientOptimizer:
 def has_batchnorm1d(net: nn.Module) -> bool:
     """Whether ``net`` has a ``BatchNorm1d`` layer (training mode needs more than one value per channel)."""
     return any(isinstance(m, nn.BatchNorm1d) for m in net.modules())
-
-
-_WARNED: set[str] = set()  #: one-line warnings already given in this process
-
-
-def warn_once(key: str, message: str) -> None:
-    """``log.warning(message)`` the first time ``key`` is seen in this process."""
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(message)
 
 
 def factory_name(factory: object) -> str:
@@ -610,14 +597,8 @@ class ClientContext:
         bs = batch_size or self.optimizer.batch_size
         if callable(max_steps):
             max_steps = max_steps(self.num_samples, self.step_budget)
-        if min_batch is None:
+        if min_batch is None:  # a skipped 1-sample BatchNorm1d batch is said once per run (executor.decide)
             min_batch = self.optimizer.min_batch(bs, self.net)
-            if not self.optimizer.drop_last and min_batch == 2 and self.num_samples % bs == 1:
-                warn_once(
-                    "bn1d",
-                    "BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm "
-                    "cannot train on one sample); model.drop_last: true drops every partial minibatch",
-                )
         limit = step_limit(self.step_budget, epochs, self.num_samples, bs, max_steps, min_batch)
         steps, loss_sum = 0, torch.zeros((), device=self.x.device)
         seen = self.class_sums_seen

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-import fl_lightning.client as client_module
 from fl_lightning.algorithms import FedAvg
 from fl_lightning.client import (
     ClientContext,
@@ -38,7 +37,6 @@ from fl_lightning.client import (
     step_limit,
     steps_per_epoch,
     to_device,
-    warn_once,
 )
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
@@ -1034,15 +1032,6 @@ def test_derive_seed_is_a_63_bit_function_of_the_parts() -> None:
     assert derive_seed(7, "train", 3, 2) == seeds[3 * 8 + 2]
 
 
-def test_warn_once_warns_the_first_time_a_key_is_seen(caplog: pytest.LogCaptureFixture) -> None:
-    key = f"test-{id(caplog)}"
-    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        warn_once(key, "first")
-        warn_once(key, "second")
-        warn_once(key + "-other", "third")
-    assert [r.getMessage() for r in caplog.records] == ["first", "third"]
-
-
 def test_min_batch_is_two_only_for_batchnorm1d_networks_and_the_batch_with_drop_last() -> None:
     """A BatchNorm1d network cannot train on a batch of one sample (min 2); any other network, or none, trains on
     every batch (min 1); ``drop_last`` keeps only full batches."""
@@ -1136,12 +1125,6 @@ def test_a_fresh_context_lists_its_trainable_names_and_scores_a_batch() -> None:
     assert_close_finite(ctx.batch_loss(params, x, y), expected)
 
 
-BN1D_WARNING = (
-    "BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm cannot train on one sample); "
-    "model.drop_last: true drops every partial minibatch"
-)
-
-
 def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) -> tuple[int, list[str]]:
     """(steps of the last phase, warnings logged) of ``phases`` one-epoch phases of an MLP with (or without) a
     ``BatchNorm1d`` on ``samples`` samples in batches of 4."""
@@ -1164,27 +1147,18 @@ def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) ->
     return int(ctx.steps_taken), records
 
 
-def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches of 4: a BatchNorm1d client of 5 samples takes 1 step (the last batch, 1 sample, is skipped) and says
-    so; with ``drop_last`` (asked for) it also takes 1 step and says nothing."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
-    assert _bn1d_phases(True, 5, False, 1) == (1, [BN1D_WARNING])
-    monkeypatch.setattr(client_module, "_WARNED", set())
+def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_leaves_saying_so_to_the_run() -> None:
+    """Batches of 4: a BatchNorm1d client of 5 samples takes 1 step (the last batch, 1 sample, is skipped), and so
+    with ``drop_last`` (asked for); the context says nothing: the run says it once, on every path
+    (``executor.decide``, tests/engine/test_executor.py)."""
+    assert _bn1d_phases(True, 5, False, 1) == (1, [])
+    assert _bn1d_phases(True, 9, False, 2) == (2, [])
     assert _bn1d_phases(True, 5, True, 1) == (1, [])
 
 
-def test_the_batchnorm1d_skip_is_said_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two phases of a BatchNorm1d client of 9 samples in batches of 4: 2 steps each, one warning in all."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
-    assert _bn1d_phases(True, 9, False, 2) == (2, [BN1D_WARNING])
-
-
 @pytest.mark.parametrize(("batchnorm", "samples", "steps"), [(True, 8, 2), (True, 10, 3), (False, 9, 3)])
-def test_no_batch_of_one_or_no_batchnorm1d_says_nothing(
-    batchnorm: bool, samples: int, steps: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_batch_of_one_or_no_batchnorm1d_says_nothing(batchnorm: bool, samples: int, steps: int) -> None:
     """8 or 10 samples in batches of 4 (no batch of one) or no BatchNorm1d: every batch steps, nothing is said."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
     assert _bn1d_phases(batchnorm, samples, False, 1) == (steps, [])
 
 

@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("experiments", "benchmarks"),  # the papers' reproductions and the benchmarks (outside the package)
     ("fl_lightning.experiment",),  # the runner of many runs, and the run axis that batches them
     ("fl_lightning.cli", "fl_lightning.callbacks", "fl_lightning.loggers", "fl_lightning.progress",
-     "fl_lightning.sizes", "fl_lightning.config_checks", "fl_lightning.results", "fl_lightning.wandb_files"),
+     "fl_lightning.identity", "fl_lightning.sizes", "fl_lightning.config_checks", "fl_lightning.results",
+     "fl_lightning.wandb_files"),
     ("datamodules",),
     ("fl_lightning.engine", "fl_lightning.server_optimizers"),
     ("fl_lightning.algorithms",),

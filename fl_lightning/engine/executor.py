@@ -19,6 +19,7 @@ Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluati
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -47,6 +48,7 @@ __all__ = [
     "choose_path",
     "client_context",
     "decide",
+    "decided",
     "run_clients",
     "simulate_faults",
     "stacked_updates",
@@ -164,20 +166,43 @@ def planned_clients(module: FederatedRun, clients: int) -> int:
     return -(-per_round // world)
 
 
+#: each run's training path, said when first decided (a run alone or batched, first or last in its process)
+_DECIDED: weakref.WeakKeyDictionary[Any, Decision] = weakref.WeakKeyDictionary()
+
+
 def decide(module: FederatedRun, clients: int) -> Decision:
-    """The training path of ``module``'s rounds (``clients`` run at once), said once per module: INFO, or the
-    WARNING of a ``vectorized`` that falls back."""
+    """The training path of ``module``'s rounds (``clients`` run at once), said once per run: INFO, or the
+    WARNING of a ``vectorized`` that falls back; with the run's warnings about its clients' minibatches (on every
+    path alike)."""
     fed = module.fed
     augment = None if fed is None else fed.augment
-    workload = Workload(planned_clients(module, clients), module.round_optimizers.client_settings(), augment=augment)
+    optimizer = module.round_optimizers.client_settings()
+    workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
-    if not getattr(module, "_executor_logged", False):
-        module._executor_logged = True
+    if module not in _DECIDED:
+        _DECIDED[module] = decision
         if decision.fallback:
             log.warning("executor 'vectorized' falls back to 'sequential': %s", decision.reason)
         else:
             log.info("executor: %s (%s)", decision.path, decision.reason)
+        if fed is not None and partial_batchnorm_batches(module.net, optimizer, fed.train.offsets):
+            log.warning("BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm cannot "
+                        "train on one sample); model.drop_last: true drops every partial minibatch")  # fmt: skip
     return decision
+
+
+def decided(module: FederatedRun) -> Decision | None:
+    """The training path ``decide`` chose for ``module``, if its clients have trained."""
+    return _DECIDED.get(module)
+
+
+def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offsets: Sequence[int]) -> bool:
+    """Whether some client's last minibatch holds 1 sample that a ``BatchNorm1d`` network skips (``min_batch``
+    2 without ``drop_last``); ``offsets``: the clients' row offsets (``ClientSplit.offsets``)."""
+    batch = optimizer.batch_size
+    if optimizer.drop_last or optimizer.min_batch(batch, net) != 2:
+        return False
+    return any((hi - lo) % batch == 1 for lo, hi in zip(offsets[:-1], offsets[1:]))
 
 
 # ---- contexts ---------------------------------------------------------------------------------------------------
@@ -238,11 +263,12 @@ def run_clients(
     through the algorithm."""
     if not clients:
         return []
+    decision = decide(module, len(clients))
     if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.experiment.run_axis)
-        return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets)
+        return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets, decision)
     states, kept = zip(*(split_state(st) for st in states))
     keep = module.keep_client_optimizer_state
-    if decide(module, len(clients)).stacked:
+    if decision.stacked:
         ctx = vector_context(module, clients, round_idx, budgets)
         ctx.optimizer_state = stack(kept) if keep else None
         expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}

@@ -16,7 +16,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning import client
 from fl_lightning.algorithms import FedAvg, FedBN, FedRoD, PFedMe
 from fl_lightning.client import ClientContext, ClientOptimizer
 from fl_lightning.engine.module import FederatedModule, FineTune
@@ -124,7 +123,6 @@ def test_the_partition_has_one_sample_remainders() -> None:
 
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_fedbn_with_batchnorm1d_trains_on_one_sample_remainders(drop_last: bool, caplog) -> None:
-    client._WARNED.discard("bn1d")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
         module = train("sequential", drop_last, BATCH, BNMLP(), FedBN(local_epochs=1))
     tracked = module.bank.row("body.bn.num_batches_tracked").tolist()

@@ -115,7 +115,7 @@ def test_a_batched_job_resumes_from_its_runs_checkpoints(tmp_path):
     an uninterrupted run."""
     runs = seed_runs([*QUICK, "--checkpoint_every", "1", "--run_dir", str(tmp_path / "job")], [0, 1])
     crashing = [
-        [*args, "--trainer.callbacks+=tests.engine.test_run_axis.CrashAt", f"--trainer.callbacks.round={r}"]
+        [*args, "--trainer.callbacks+=tests.experiment.test_run_axis.CrashAt", f"--trainer.callbacks.round={r}"]
         for args, r in zip(runs, (1, 3))
     ]
     logs = [tmp_path / "s0.log", tmp_path / "s1.log"]
@@ -141,11 +141,17 @@ def test_configs_that_cannot_share_a_batch_are_refused_with_one_line(tmp_path, c
     fedrep = [*base, "--config", str(ROOT / "configs/digits/fedrep.yaml")]
     wide = [*fedavg, "--model.network.init_args.hidden=[256,64]"]
     configs = [parse_config(a) for a in (fedavg, fedrep, wide)]
-    with pytest.raises(ConfigError, match="run 1 cannot share a batch with run 0: algorithm .*FedRep vs .*FedAvg"):
+    with pytest.raises(ConfigError, match=r"run 1 cannot share a batch with run 0: model.algorithm.class_path "
+                                          r'"fl_lightning.algorithms.FedAvg" -> "fl_lightning.algorithms.FedRep" '
+                                          r"\(and \d+ more\); a batched job's runs differ only in seed_everything"):
         check_batchable(configs[:2])
-    with pytest.raises(ConfigError, match="cannot share a batch .*: network .*256"):
+    with pytest.raises(ConfigError, match=r"cannot share a batch .*: model.network.hidden \[128, 64\] -> \[256, 64\];"):
         check_batchable([configs[0], configs[2]])
-    check_batchable([configs[0], parse_config([*fedavg, "--model.lr", "0.05", "--seed_everything", "3"])])
+    with pytest.raises(ConfigError, match=r": model.lr 0.05 -> 0.01; "):  # a client learning rate: another job
+        check_batchable([parse_config([*fedavg, "--model.lr", "0.05"]), configs[0]])
+    with pytest.raises(ConfigError, match=r": model.drop_last false -> true; "):
+        check_batchable([configs[0], parse_config([*fedavg, "--model.drop_last", "true"])])
+    check_batchable([configs[0], parse_config([*fedavg, "--seed_everything", "3", "--trainer.max_steps", "7"])])
     ddp = parse_config([*fedavg, "--trainer.devices", "2", "--trainer.strategy", "ddp"])
     with pytest.raises(ConfigError, match="one process"):
         check_batchable([configs[0], ddp])
@@ -181,13 +187,14 @@ def digits_module(seed: int, algorithm: Algorithm, **kwargs) -> FederatedModule:
     return module
 
 
-def requests_for(modules: list[FederatedModule], round_idx: int, budgets=None) -> list[CohortRequest]:
+def requests_for(modules: list[FederatedModule], round_idx: int, budgets=None, keys=None) -> list[CohortRequest]:
+    """Each module's round as a request; ``keys``: each run's batch key (default: one key, the runs of one job)."""
     out = []
-    for m in modules:
+    for m, key in zip(modules, keys or ["one job"] * len(modules)):
         cohort = ClientSampler(m.fed.num_clients, 3, m.fed.seed).sample(round_idx).tolist()
         out.append(
             CohortRequest(m, cohort, round_idx, m.global_params(), [m.bank.get(c) for c in cohort],
-                          list(budgets or [1.0] * len(cohort)))
+                          list(budgets or [1.0] * len(cohort)), key)
         )  # fmt: skip
     return out
 
@@ -239,9 +246,9 @@ def test_runs_with_their_own_server_state_share_one_call_each_client_with_its_ru
 def test_kept_adam_state_and_other_learning_rates_are_per_run():
     adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
     modules = [digits_module(s, FedAvg(1), client_optimizer=adam, keep_client_optimizer_state=True) for s in (0, 1)]
-    modules.append(digits_module(2, FedAvg(1), lr=0.05))  # another client optimiser: its own call of the step
+    modules.append(digits_module(2, FedAvg(1), lr=0.05))  # another client optimiser: another key, its own call
     executor = CohortExecutor()
-    requests = requests_for(modules, round_idx=0)
+    requests = requests_for(modules, round_idx=0, keys=["adam", "adam", "sgd lr 0.05"])
     executor.run(requests)
     assert executor.calls == 2
     for req in requests:

@@ -8,16 +8,14 @@ the other runs' clients of the same round (``cohorts``), and its data rows in on
 starting every run with ``--ckpt_path last`` again (alone or batched, with any partners: a run's numbers do not
 depend on them).
 
-Runs share a batch when they have the same algorithm class and network; other configs are refused before
-anything starts (``check_batchable``). Everything else may differ: seed (and with it the partition, the cohorts
-and the data order), data set, number of clients, cohort size, learning rates, server optimiser, rounds,
-evaluation schedule. Runs whose client update cannot share a call (other client learning rate, other algorithm
-hyper-parameters) still share the lockstep and train in their own call of each step.
+Runs share a batch when their identities are equal but for the seed (``batching.batch_key``, derived from the
+resolved configs: ``check_batchable`` refuses others before anything starts, naming the first key that differs).
+What a resume may change may differ too (rounds, callbacks, logging, W&B, checkpoint cadence). Each run trains on
+the path it takes alone (``executor.decide``); the stacked ones train their clients together in one call per round.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_lightning.errors import ConfigError
-from fl_lightning.experiment.run_axis.cohorts import combinable
+from fl_lightning.experiment.run_axis.batching import CARRIED_PER_RUN, batch_differences, batch_key, multi_process
 from fl_lightning.experiment.run_axis.lockstep import Interrupted, Lockstep
 from fl_lightning.experiment.run_axis.shared_data import RowPool
 
@@ -67,43 +65,25 @@ def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
     return out
 
 
-def batch_signature(config: dict[str, Any]) -> dict[str, str]:
-    """What runs of one batch must share: the algorithm class and the network (class and arguments)."""
-    model = config.get("model") or {}
-    algorithm = (model.get("algorithm") or {}).get("class_path", "?")
-    network = model.get("network") or {}
-    return {
-        "algorithm": str(algorithm),
-        "network": json.dumps({"class_path": network.get("class_path"), **(network.get("init_args") or {})},
-                              sort_keys=True, default=str),
-    }  # fmt: skip
-
-
 def check_batchable(configs: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> None:
-    """One ``ConfigError`` line if the runs cannot share a batch (other algorithm class or network, or a
-    multi-process trainer)."""
+    """One ``ConfigError`` line if the runs cannot share a batch: a multi-process trainer, or an identity that
+    differs from the first run's in more than what the run axis carries per run (``batching``)."""
     names = list(names or [f"run {i}" for i in range(len(configs))])
-    first = batch_signature(configs[0])
     for name, config in zip(names, configs):
-        trainer = config.get("trainer") or {}
-        devices, nodes, strategy = trainer.get("devices"), trainer.get("num_nodes") or 1, str(trainer.get("strategy"))
-        if (isinstance(devices, int) and devices > 1) or (isinstance(devices, list) and len(devices) > 1) or nodes > 1 \
-                or "ddp" in strategy or "fsdp" in strategy:  # fmt: skip
+        why = multi_process(config)
+        if why:
+            raise ConfigError(f"{name}: batched runs train in one process; {why} (run it without batching)")
+        diffs = batch_differences(configs[0], config)
+        if diffs:
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
             raise ConfigError(
-                f"{name}: batched runs train in one process; trainer.devices={devices}, num_nodes={nodes}, "
-                f"strategy={strategy} needs one process per device (run it without batching)"
+                f"{name} cannot share a batch with {names[0]}: {_short(diffs[0])}{more}; a batched job's runs differ "
+                f"only in {', '.join(CARRIED_PER_RUN)} and what a resume may change (run them as separate jobs)"
             )
-        mine = batch_signature(config)
-        for key in ("algorithm", "network"):
-            if mine[key] != first[key]:
-                raise ConfigError(
-                    f"{name} cannot share a batch with {names[0]}: {key} {_short(mine[key])} vs {_short(first[key])} "
-                    "(batched runs need the same algorithm class and network)"
-                )
 
 
 def _short(text: str) -> str:
-    return text if len(text) < 90 else text[:87] + "..."
+    return text if len(text) < 160 else text[:157] + "..."
 
 
 def _allow_concurrent_wandb_runs(configs: Sequence[dict[str, Any]]) -> None:
@@ -190,13 +170,13 @@ class BatchedRuns:
                     raise
 
     def _join(self, i: int, cli: Any) -> None:
-        """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep."""
+        """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep under
+        the batch key of its own resolved config (whatever the caller said of it)."""
         datamodule, module = cli.datamodule, cli.model
         datamodule.seed = datamodule.resolved_seed  # PL_GLOBAL_SEED is process-wide: the next run's parse resets it
         datamodule.federated = self.pool.share(datamodule.federated)
         module.run_axis = self.lockstep
-        if combinable(module):  # its clients train stacked: it evaluates with the vectorized executor's paths too
-            module.executor = "vectorized"
+        self.lockstep.join(module, batch_key(cli.config.as_dict()), self.names[i], self.names)
         self.modules[i] = module
         if self._before_fit is not None:
             self._before_fit(i, cli)
