@@ -389,3 +389,19 @@ def test_runs_that_differ_only_in_naming_and_seed_are_parsed_once(monkeypatch):
     assert parsed == [seeds[0], other]
     assert configs[0] is configs[1] is configs[2] and configs[3]["model"]["lr"] == 0.05
     assert configs[0]["model"] == parse_config(seeds[2])["model"]
+
+
+def test_two_runs_of_one_job_never_write_one_run_dir(tmp_path, capsys):
+    """``--seeds 0,0`` and a ``--runs`` file whose runs name one ``--run_dir`` are refused in one line before
+    anything is written (issue 45: two threads once wrote one run dir)."""
+    assert run_axis_main([*QUICK, "--run_dir", str(tmp_path / "job"), "--seeds", "0,1,0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --seeds 0,1,0: seed 0 is given twice (each seed is one run with its own run dir "
+                   "<run_dir>/s<seed>); give each seed once"]  # fmt: skip
+    runs = tmp_path / "runs.json"
+    same = str(tmp_path / "one")
+    runs.write_text(json.dumps([[*QUICK, "--run_dir", same], [*QUICK, "--seed_everything", "1", f"--run_dir={same}"]]))
+    assert run_axis_main(["--runs", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: run 1 and run 0 both write run_dir {same}: give each run its own --run_dir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.json"]

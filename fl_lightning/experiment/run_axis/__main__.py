@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--seeds {text!r}: expected comma-separated integers") from None
             if not seeds:
                 raise ConfigError("--seeds: expected comma-separated integers")
+            twice = sorted({s for s in seeds if seeds.count(s) > 1})
+            if twice:
+                raise ConfigError(f"--seeds {text}: seed {twice[0]} is given twice (each seed is one run with its own "
+                                  "run dir <run_dir>/s<seed>); give each seed once")  # fmt: skip
             runs = seed_runs(args[:j] + args[j + 2 :], seeds)
         else:
             raise ConfigError("give --seeds S1,S2,... or --runs FILE.json")

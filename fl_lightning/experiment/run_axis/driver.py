@@ -52,7 +52,7 @@ def parse_config(args: Sequence[str]) -> dict[str, Any]:
 def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
     """``parse_config`` of every argument list, once per distinct list without the arguments that only name or
     seed a run (``experiment.validation.naming_free``: a grid's seeds parse once; parsing builds train.py's whole
-    parser). What the batch check reads (algorithm, network, trainer, W&B mode) does not depend on those."""
+    parser). The batch key does not depend on those (``batching.CARRIED_PER_RUN`` and what a resume may change)."""
     from fl_lightning.experiment.validation import naming_free
 
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -80,6 +80,24 @@ def check_batchable(configs: Sequence[dict[str, Any]], names: Sequence[str] | No
                 f"{name} cannot share a batch with {names[0]}: {_short(diffs[0])}{more}; a batched job's runs differ "
                 f"only in {', '.join(CARRIED_PER_RUN)} and what a resume may change (run them as separate jobs)"
             )
+
+
+def check_own_run_dirs(
+    arg_lists: Sequence[Sequence[str]], configs: Sequence[dict[str, Any]], names: Sequence[str]
+) -> None:
+    """One ``ConfigError`` line if two runs of a job would write one run dir (their files would mix): each run's
+    last ``--run_dir`` argument, else its config's."""
+    seen: dict[str, str] = {}
+    for name, args, config in zip(names, arg_lists, configs):
+        given = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
+                 if a.split("=", 1)[0] == "--run_dir" and ("=" in a or i + 1 < len(args))]  # fmt: skip
+        run_dir = given[-1] if given else config.get("run_dir")
+        if run_dir is None:
+            continue
+        key = str(Path(str(run_dir)).resolve())
+        if key in seen:
+            raise ConfigError(f"{name} and {seen[key]} both write run_dir {run_dir}: give each run its own --run_dir")
+        seen[key] = name
 
 
 def _short(text: str) -> str:
@@ -121,6 +139,7 @@ class BatchedRuns:
         self.configs = list(configs) if configs is not None else parse_configs(self.arg_lists) if check else []
         if check:
             check_batchable(self.configs, self.names)
+            check_own_run_dirs(self.arg_lists, self.configs, self.names)
         self.lockstep = Lockstep()
         self.pool = RowPool()
         self.outcomes = [RunOutcome(a) for a in self.arg_lists]
