@@ -30,6 +30,7 @@ from torch import nn
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
 from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import (
     VectorizedContext,
@@ -166,7 +167,7 @@ def planned_clients(module: FederatedRun, clients: int) -> int:
     return -(-per_round // world)
 
 
-#: each run's training path, said when first decided (a run alone or batched, first or last in its process)
+#: each run's training path as first decided (said then, once per run: ``notes.say_once``)
 _DECIDED: weakref.WeakKeyDictionary[Any, Decision] = weakref.WeakKeyDictionary()
 
 
@@ -179,15 +180,17 @@ def decide(module: FederatedRun, clients: int) -> Decision:
     optimizer = module.round_optimizers.client_settings()
     workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
-    if module not in _DECIDED:
-        _DECIDED[module] = decision
-        if decision.fallback:
-            log.warning("executor 'vectorized' falls back to 'sequential': %s", decision.reason)
-        else:
-            log.info("executor: %s (%s)", decision.path, decision.reason)
-        if fed is not None and partial_batchnorm_batches(module.net, optimizer, fed.train.offsets):
-            log.warning("BatchNorm1d network: a client's last minibatch of 1 sample is skipped (BatchNorm cannot "
-                        "train on one sample); model.drop_last: true drops every partial minibatch")  # fmt: skip
+    if module in _DECIDED:
+        return decision
+    _DECIDED[module] = decision
+    if decision.fallback:
+        say_once(module.net, "executor", logging.WARNING, "executor 'vectorized' falls back to 'sequential': %s",
+                 decision.reason)  # fmt: skip
+    else:
+        say_once(module.net, "executor", logging.INFO, "executor: %s (%s)", decision.path, decision.reason)
+    if fed is not None and partial_batchnorm_batches(module.net, optimizer, fed.train.offsets):  # once per run
+        say_once(module.net, "bn1d", logging.WARNING, "BatchNorm1d network: a client's last minibatch of 1 sample is "
+                 "skipped (BatchNorm cannot train on one sample); model.drop_last: true drops every partial minibatch")
     return decision
 
 

@@ -79,6 +79,7 @@ from fl_lightning.client import (
     steps_per_epoch,
     to_device,
 )
+from fl_lightning.engine.notes import say_once
 from fl_lightning.models.split import SplitModel
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
@@ -86,8 +87,6 @@ FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of abou
 #: in channels_last) or ``vmap`` (one grouped convolution for the cohort). ``loop`` won on the CPU (``make bench``,
 #: workload ``conv_clients``); other devices use ``vmap`` unless set here (the benchmark reports both).
 CONV_CLIENTS: dict[str, str] = {"cpu": "loop"}
-log = logging.getLogger("fl_lightning")
-_fallbacks_logged: set[str] = set()
 
 
 def feature_chunk(device: torch.device) -> int:
@@ -97,12 +96,6 @@ def feature_chunk(device: torch.device) -> int:
 
 def conv_clients(device: torch.device) -> str:
     return CONV_CLIENTS.get(device.type, "vmap")
-
-
-def _log_once(key: str, message: str, *args: object) -> None:
-    if key not in _fallbacks_logged:
-        _fallbacks_logged.add(key)
-        log.warning(message, *args)
 
 
 def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
@@ -762,14 +755,17 @@ class VectorizedContext:
         phase = _Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
         if rule is None:
             name = factory_name(self.optimizer.factory)
-            _log_once(name, "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
+            say_once(self.net, name, logging.WARNING,
+                     "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
             return self._sgd_client_by_client(out, phase)
         if self.augment is not None and not draws_ahead(self.augment):
-            _log_once("augment", "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
+            say_once(self.net, "augment", logging.WARNING,
+                     "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         head_only = self._head_only(trainable, gradient, objective)
         if not head_only and has_rnn(self.net):
-            _log_once("rnn", "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
+            say_once(self.net, "rnn", logging.WARNING,
+                     "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         if not head_only and self.loop_over_clients:
             if gradient is None and self.sides is None and self.optimizer_state is None:

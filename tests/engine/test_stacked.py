@@ -1478,7 +1478,6 @@ def test_client_by_client_steps_are_counted_on_the_device() -> None:
 def test_an_optimizer_without_batched_form_is_named_in_the_log(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
     adagrad = ClientOptimizer(batch_size=10, factory=functools.partial(torch.optim.Adagrad, lr=LR))
@@ -1505,7 +1504,6 @@ class DoublingAhead(Doubling):
 
 
 def _augmented_head_phase(augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
     params = stacked_params(net, 2)

@@ -29,6 +29,7 @@ from torch import Tensor
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params, split_state
 from fl_lightning.engine.executor import stacked_updates
+from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 
@@ -139,6 +140,7 @@ class CohortRequest:
     states: list[Params]
     budgets: list[float]
     key: str | None = None  #: the run's batch key where its clients train stacked with others, else None (alone)
+    notes: list[logging.LogRecord] = field(default_factory=list)  #: what the engine said while they trained
     result: list[ClientUpdate] | None = None
     error: BaseException | None = None
     done: bool = False
@@ -236,30 +238,67 @@ class CohortExecutor:
         for req in requests:
             groups.setdefault(("alone", id(req.module)) if req.key is None else ("stacked", req.key), []).append(req)
         for key, group in groups.items():
-            try:
-                if key[0] == "alone":
-                    for req in group:
-                        req.result = _alone(req)
-                elif key in self.per_run:
-                    for req in group:
-                        req.result = run_stacked([req])[0]
-                        self.calls += 1
-                else:
-                    try:
-                        results = run_stacked(group)
-                        self.calls += 1
-                    except MixedRunValue as exc:
-                        log.warning("run axis: %s; its runs train one call each", exc)
-                        self.per_run.add(key)
-                        results = [run_stacked([req])[0] for req in group]
-                        self.calls += len(group)
-                    for req, result in zip(group, results):
-                        req.result = result
-            except Exception as exc:  # every run of the group fails with the error
+            with held_notes() as notes:
+                self._train(key, group)
+            for req in group:  # each run says them in its own log (``Lockstep.run_clients``)
+                req.notes, req.done = list(notes), True
+
+    def _train(self, key: tuple, group: list[CohortRequest]) -> None:
+        """One group's clients: their runs' own ``run_clients`` (``alone``), or stacked in one call (one per run
+        once the algorithm has read a per-run value); an error fails every run of the group."""
+        try:
+            if key[0] == "alone":
                 for req in group:
-                    req.error = exc
+                    req.result = _alone(req)
+            elif key in self.per_run:
+                for req in group:
+                    req.result = run_stacked([req])[0]
+                    self.calls += 1
+            else:
+                try:
+                    results = run_stacked(group)
+                    self.calls += 1
+                except MixedRunValue as exc:
+                    log.warning("run axis: %s; its runs train one call each", exc)
+                    self.per_run.add(key)
+                    results = [run_stacked([req])[0] for req in group]
+                    self.calls += len(group)
+                for req, result in zip(group, results):
+                    req.result = result
+        except Exception as exc:  # every run of the group fails with the error
             for req in group:
-                req.done = True
+                req.error = exc
+
+
+@contextmanager
+def held_notes() -> Iterator[list[logging.LogRecord]]:
+    """The engine's log records (``fl_lightning`` and below) of the block, held instead of printed: a lockstep
+    step trains in the thread of the run that arrived last, whose log is the one open, so each run says them in its
+    own log afterwards (``replay_notes``)."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if not (record.name == "fl_lightning" or record.name.startswith("fl_lightning.")):
+            return True
+        if not any(r is record for r in held):  # one record passes every handler's filter
+            held.append(record)
+        return False
+
+    handlers = list(logging.getLogger("fl_lightning").handlers)
+    for h in handlers:
+        h.addFilter(hold)
+    try:
+        yield held
+    finally:
+        for h in handlers:
+            h.removeFilter(hold)
+
+
+def replay_notes(module: FederatedModule, notes: Sequence[logging.LogRecord]) -> None:
+    """``notes`` said in the calling run's log, each once per run (``engine.notes.say_once``)."""
+    for record in notes:
+        message = record.getMessage()
+        say_once(module.net, "note: " + message, record.levelno, "%s", message)
 
 
 def _alone(req: CohortRequest) -> list[ClientUpdate]:

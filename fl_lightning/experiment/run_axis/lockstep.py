@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params
-from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest, shares_calls
+from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest, replay_notes, shares_calls
 
 if TYPE_CHECKING:
     from fl_lightning.engine.executor import Decision
@@ -142,6 +142,7 @@ class Lockstep:
             if self.stopping and not request.done:
                 raise Interrupted()
         self.activate()
+        replay_notes(module, request.notes)  # what the engine said while the step trained, in this run's log
         if request.error is not None:
             raise request.error
         return request.result
