@@ -14,33 +14,27 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-import fl_lightning.client as client_module
+import fl_lightning.engine.sequential as sequential_module
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client import (
+from fl_lightning.client import ClientOptimizer, Objective, Penalty, derive_seed, factory_name, per_client, state_name
+from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import (
     ClientContext,
-    ClientOptimizer,
     FunctionalBatchNorm,
-    Objective,
-    Penalty,
     add_gradient,
     class_sum_step,
-    derive_seed,
     draws_ahead,
     epoch_draws,
-    factory_name,
     load_state,
     loss_fn_for,
-    per_client,
     save_state,
     state_keys,
-    state_name,
     state_template,
     step_limit,
     steps_per_epoch,
     to_device,
     warn_once,
 )
-from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
@@ -1167,15 +1161,15 @@ def _bn1d_phases(batchnorm: bool, samples: int, drop_last: bool, phases: int) ->
 def test_a_batchnorm1d_client_skips_a_last_batch_of_one_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of 4: a BatchNorm1d client of 5 samples takes 1 step (the last batch, 1 sample, is skipped) and says
     so; with ``drop_last`` (asked for) it also takes 1 step and says nothing."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
+    monkeypatch.setattr(sequential_module, "_WARNED", set())
     assert _bn1d_phases(True, 5, False, 1) == (1, [BN1D_WARNING])
-    monkeypatch.setattr(client_module, "_WARNED", set())
+    monkeypatch.setattr(sequential_module, "_WARNED", set())
     assert _bn1d_phases(True, 5, True, 1) == (1, [])
 
 
 def test_the_batchnorm1d_skip_is_said_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two phases of a BatchNorm1d client of 9 samples in batches of 4: 2 steps each, one warning in all."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
+    monkeypatch.setattr(sequential_module, "_WARNED", set())
     assert _bn1d_phases(True, 9, False, 2) == (2, [BN1D_WARNING])
 
 
@@ -1184,7 +1178,7 @@ def test_no_batch_of_one_or_no_batchnorm1d_says_nothing(
     batchnorm: bool, samples: int, steps: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """8 or 10 samples in batches of 4 (no batch of one) or no BatchNorm1d: every batch steps, nothing is said."""
-    monkeypatch.setattr(client_module, "_WARNED", set())
+    monkeypatch.setattr(sequential_module, "_WARNED", set())
     assert _bn1d_phases(batchnorm, samples, False, 1) == (steps, [])
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, make_generator
+from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 
@@ -66,7 +66,7 @@ class AlternatingGD(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {"V": global_params["V"]}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         v = global_params["V"]
         s, n = ctx.y.to(v.dtype), ctx.num_samples
         zeros = {"power": torch.zeros_like(self.power_vec), "grad_V": torch.zeros_like(v)}

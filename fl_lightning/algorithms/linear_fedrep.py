@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.linear_fedavg import Gradient, population_targets
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ class LinearFedRep(Algorithm):
     def state_dependent_uploads(self) -> tuple[str, ...]:  # type: ignore[override]
         return () if self.head_solver == "exact" else ("",)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         bt = global_params["body.weight"].clone()  # Bᵀ, k×d
         w = state["head.weight"].reshape(-1).clone().to(bt)  # k
         x, y, m = ctx.x, ctx.y, ctx.num_samples

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -131,7 +131,7 @@ class PowerInitLocalGD(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {"V": global_params["V"]}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         v = global_params["V"]
         s, n = ctx.y.to(v.dtype), ctx.num_samples
         if n > state["U"].shape[0]:

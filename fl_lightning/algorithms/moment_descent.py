@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.client import ClientContext, Params, make_generator
+from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 Pairing = Literal["all", "disjoint"]
@@ -247,7 +247,7 @@ class FedMD(IFCA):
         }
 
     # -- client side of Phase 1 -------------------------------------------------------------------------
-    def warmup_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def warmup_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         kind, t, s = self.phase(ctx.round)
         theta = global_params["theta"]
         x, y = ctx.x.to(theta.dtype), ctx.y.to(theta.dtype)

@@ -1,5 +1,5 @@
 """The round: the LightningModule (``module``), which path a round's clients take (``executor``: the one choice
-between the sequential reference, ``fl_lightning.client.ClientContext``, and the stacked path, ``stacked``),
+between the sequential reference, ``fl_lightning.engine.sequential.ClientContext``, and the stacked path, ``stacked``),
 aggregation and the server step, evaluation, checkpoint identity (``checkpoint``), the module's settings checks
 (``settings``), the client-state bank, the ledger.
 

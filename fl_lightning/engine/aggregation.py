@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import Params, per_client, to_device
+from fl_lightning.client import Params, per_client
 from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.sequential import to_device
 
 log = logging.getLogger("fl_lightning")
 

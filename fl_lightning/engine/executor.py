@@ -3,7 +3,7 @@
 ``choose_path`` decides from the algorithm, the network, the device and the workload (how many clients run at
 once, with which client optimiser and augmentation), under ``model.executor``:
 
-* ``sequential``: the reference loop (``fl_lightning.client.ClientContext``, one client after another);
+* ``sequential``: the reference loop (``fl_lightning.engine.sequential.ClientContext``, one client after another);
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
 * ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
+from fl_lightning.client import ClientOptimizer, Params, factory_name, split_state
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, draws_ahead
 from fl_lightning.engine.stacked import (
     VectorizedContext,
     batched_rule,

@@ -32,15 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import (
-    ClientOptimizer,
-    LRSchedulerCallable,
-    OptimizerCallable,
-    Params,
-    has_batchnorm1d,
-    loss_fn_for,
-    state_template,
-)
+from fl_lightning.client import ClientOptimizer, OptimizerCallable, Params, has_batchnorm1d
 from fl_lightning.engine import aggregation, evaluation, executor, lightning_logging
 from fl_lightning.engine import checkpoint as checkpoint_entries
 from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
@@ -48,8 +40,9 @@ from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
 from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
-from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
+from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, LRSchedulerCallable, RoundOptimizers
 from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm
+from fl_lightning.engine.sequential import loss_fn_for, state_template
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
 from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement, make_bank
 from fl_lightning.engine.summary import run_summary

@@ -60,7 +60,8 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.client import Params, make_generator, to_device
+from fl_lightning.client import Params, make_generator
+from fl_lightning.engine.sequential import to_device
 from fl_lightning.errors import ConfigError
 
 __all__ = ["COUNT", "AdaptiveClip", "Privacy", "PrivacyEngine", "epsilon_of", "privacy_event"]

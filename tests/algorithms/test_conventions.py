@@ -29,8 +29,9 @@ from fl_lightning.algorithms import (
     PerFedAvg,
     PFedMe,
 )
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
 

@@ -12,8 +12,9 @@ from torch.nn import functional as F
 
 from datamodules import SyntheticLinearDataModule
 from fl_lightning.algorithms import LinearFedRep
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import principal_angle_distance
 from fl_lightning.models import LinearRepresentation

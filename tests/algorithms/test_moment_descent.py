@@ -13,8 +13,9 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedMD
 from fl_lightning.algorithms.moment_descent import anchor_step, default_num_anchors, group_anchors
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite

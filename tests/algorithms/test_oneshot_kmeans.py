@@ -12,8 +12,9 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import OneShotClustering
 from fl_lightning.algorithms.oneshot_kmeans import kmeans, local_estimate
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedProto, FedProx, PerFedAvg, PFedMe
-from fl_lightning.client import ClientContext, Params, select
+from fl_lightning.client import Params, select
 from fl_lightning.engine import evaluation
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.engine.evaluation import (
@@ -30,6 +30,7 @@ from fl_lightning.engine.evaluation import (
     validation_metrics,
 )
 from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from datamodules import DigitsDataModule, Shards, SyntheticLinearDataModule
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, ClientOptimizer, Params, steps_per_epoch
+from fl_lightning.client import ClientOptimizer, Params
 from fl_lightning.engine import aggregation, evaluation
 from fl_lightning.engine.aggregation import RoundStats
 from fl_lightning.engine.checkpoint import checkpoint_mismatch, identity
@@ -31,6 +31,7 @@ from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, check_monitored_keys, validation_metric_names
 from fl_lightning.engine.executor import client_context, decide, simulate_faults
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.sequential import ClientContext, steps_per_epoch
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
 from fl_lightning.models import DigitsMLP, LinearRepresentation
