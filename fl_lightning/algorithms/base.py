@@ -11,7 +11,7 @@ declare ``vectorizable = True``. An algorithm says:
 * ``state_prefixes``: name prefixes of other per-client state in the bank (Ditto's ``v.``); with ``personal`` they
   are what the ledger (``fl_lightning.engine.ledger``) refuses to see in an upload, whatever the code does;
 * ``reveals`` and ``state_dependent_uploads``: what an upload may tell the server about the client, in words and
-  as the upload names whose values may depend on the client's personal state (``tests/test_privacy.py``);
+  as the upload names whose values may depend on the client's personal state (``tests/properties/test_privacy.py``);
 * ``init_client_state``: the per-client state template (by default the personal parameters);
 * ``client_update``: one client's local work → what it uploads and its new state;
 * ``server_update``: optional extra server math after the weighted average is applied;
@@ -60,7 +60,7 @@ class Algorithm(nn.Module):
     #: What a client's upload may tell the server beyond the model it received (one line; README table).
     reveals: str = ""
     #: Upload-name prefixes whose values may depend on the client's personal state (``""``: every upload). Every
-    #: other upload must be bit-identical whatever the client's state (tests/test_privacy.py perturbs it).
+    #: other upload must be bit-identical whatever the client's state (tests/properties/test_privacy.py perturbs it).
     state_dependent_uploads: tuple[str, ...] = ()
     #: Upload-name prefixes whose values may depend on the client's side information when the network has a
     #: side branch (``Concat``/``Mask``): by default every upload, since every gradient flows through it.

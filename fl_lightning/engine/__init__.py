@@ -4,5 +4,5 @@ aggregation and the server step, evaluation, checkpoint identity (``checkpoint``
 (``settings``), the client-state bank, the ledger.
 
 Algorithms never import this package: they are written against ``fl_lightning.client`` and
-``fl_lightning.algorithms.base`` only (``tests/test_import_graph.py`` lists the arrows that still break this).
+``fl_lightning.algorithms.base`` only (``tests/test_import_graph.py`` checks it).
 """
