@@ -28,7 +28,7 @@ name (e.g. a control-variate delta) is averaged and handed to ``server_update``.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +46,6 @@ class ClientUpdate:
     state: Params
     num_samples: int
     loss: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Algorithm(nn.Module):

@@ -63,5 +63,4 @@ class Ditto(Algorithm):
             state={PERSONAL + n: v[n] for n in self.trained_names(v)},
             num_samples=ctx.num_samples,
             loss=global_loss,
-            metrics={"personal_loss": ctx.train_loss},
         )

@@ -18,8 +18,6 @@ class FedRep(Algorithm):
     vectorizable = True  # written only with ctx.sgd and dict operations
     reveals = "the body after its epochs with the client's personal head frozen: the body update depends on that head"
     state_dependent_uploads = ("",)
-    reveals = "the body after its epochs with the client's personal head frozen: the body update depends on that head"
-    state_dependent_uploads = ("",)
 
     def __init__(self, head_epochs: int = 10, body_epochs: int = 1, personal: Sequence[str] = ("head.",)) -> None:
         super().__init__(personal)

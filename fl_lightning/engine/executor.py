@@ -225,7 +225,6 @@ def stacked_updates(upd: ClientUpdate, ctx: VectorizedContext, kept: Params, lo:
             {**unstack(upd.state, k), **unstack(kept, k)},
             ctx.num_samples[k],
             upd.loss[k],
-            {name: v[k] for name, v in upd.metrics.items()},
         )
         for k in range(lo, hi)
     ]
