@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
@@ -83,12 +83,12 @@ class AlternatingGD(Algorithm):
         return ClientUpdate({**zeros, "grad_V": grad}, {"U": new_u}, 1, 0.5 * float(((s - u @ v.T) ** 2).sum()))
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx < self.sigma_rounds:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round < self.sigma_rounds:
             total = averaged_extra["power"] * self.num_clients  # SᵀS v
             norm = total.norm()
             self.power_vec.copy_(total / norm)
-            if round_idx == self.sigma_rounds - 1:
+            if facts.round == self.sigma_rounds - 1:
                 sigma = float(norm) ** 0.5
                 eta, dd = wk_constants(sigma, self.mu, self.c)
                 self.sigma.fill_(sigma)

@@ -38,6 +38,16 @@ from fl_lightning.client import Client, Params
 from fl_lightning.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class RoundFacts:
+    """What the server knows of a round when ``server_update`` runs."""
+
+    round: int  #: the communication round
+    #: how many client uploads entered this round's average (all ranks; stragglers included, clients that failed or
+    #: sent non-finite values not)
+    num_aggregated: int
+
+
 @dataclass
 class ClientUpdate:
     """What one client returns: ``upload`` goes to the server, ``state`` back into the client bank."""
@@ -68,9 +78,6 @@ class Algorithm(nn.Module):
     needs_uniform_aggregation: bool = False
     #: False for closed-form client updates that would move a parameter frozen with ``requires_grad=False``.
     supports_frozen: bool = True
-    #: How many client uploads entered this round's average (all ranks; stragglers included, clients that
-    #: failed or sent non-finite values not). Set by the engine before ``server_update``.
-    num_aggregated: int = 0
     #: True when ``client_update`` uses only dict operations and the client contract (``fl_lightning.client.Client``),
     #: so the vectorized executor can run it on stacked parameters. Each class must declare it itself (it is not
     #: inherited).
@@ -155,8 +162,9 @@ class Algorithm(nn.Module):
     def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError
 
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        """Optional server math after aggregation; may modify ``global_params`` tensors in place."""
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        """Optional server math after aggregation; may modify ``global_params`` tensors in place. ``facts`` are the
+        round's (its index, how many uploads entered the average)."""
 
     def trained_names(self, params: Params) -> list[str]:
         """Every name of ``params`` except the frozen parameters (what a full-model upload carries)."""
@@ -207,10 +215,10 @@ class PersonalModels(Algorithm):
         )
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         """w̄ ← w̄ + (|S|/N)·mean_{i∈S} Δ_i: the global model stays the mean of all N personal models (only the
         cohort's changed; ``num_clients`` is set in ``setup``)."""
-        cohort = self.num_aggregated
+        cohort = facts.num_aggregated
         for n, t in global_params.items():
             if self.delta_prefix + n in averaged_extra:
                 t.add_(averaged_extra[self.delta_prefix + n].to(t.dtype), alpha=cohort / self.num_clients)

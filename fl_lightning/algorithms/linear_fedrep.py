@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.algorithms.linear_fedavg import Gradient, population_targets
 from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
@@ -124,7 +124,7 @@ class LinearFedRep(Algorithm):
             loss=loss,
         )
 
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         if self.orthonormalize:
             q = orthonormalize(global_params["body.weight"].T, self.positive_qr)
             global_params["body.weight"].copy_(q.T)

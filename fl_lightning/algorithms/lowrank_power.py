@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
@@ -153,11 +153,11 @@ class PowerInitLocalGD(Algorithm):
         return ClientUpdate({"sketch": torch.zeros_like(self.candidates)}, {"U": new_u, "Y": new_y}, 1, losses[-1])
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx > self.alpha:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round > self.alpha:
             return
         self.candidates.copy_(averaged_extra["sketch"] * self.num_clients)  # the sum = N · mean
-        if round_idx == self.alpha:
+        if facts.round == self.alpha:
             kappas = torch.tensor([condition_number(c, self.kappa_rank) for c in self.candidates])
             self.kappa.copy_(kappas)
             global_params["V"].copy_(self.candidates[int(kappas.argmin())])

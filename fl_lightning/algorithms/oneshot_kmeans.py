@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import ClientUpdate
+from fl_lightning.algorithms.base import ClientUpdate, RoundFacts
 from fl_lightning.algorithms.ifca import IFCA
 from fl_lightning.client import LoopClient, Params
 
@@ -73,8 +73,8 @@ class OneShotClustering(IFCA):
         return int(self.labels[ctx.client])
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx != 0:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round != 0:
             return
         mask = averaged_extra["estimate_mask"]
         estimates = averaged_extra["estimates"] / mask.clamp(min=1e-300).unsqueeze(-1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import Client, Params, Penalty, per_client
 
 DELTA = "delta_c."
@@ -100,8 +100,8 @@ class SCAFFOLD(Algorithm):
         return ClientUpdate(upload, new_state, ctx.num_samples, loss=ctx.train_loss)
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         if not averaged_extra:
             return
         for n in self.names:
-            getattr(self, _key(n)).add_(averaged_extra[DELTA + n], alpha=self.num_aggregated / self.num_clients)
+            getattr(self, _key(n)).add_(averaged_extra[DELTA + n], alpha=facts.num_aggregated / self.num_clients)
