@@ -441,25 +441,6 @@ def before_the_end(ckpt: str, run_dir: Path, max_steps: int) -> str | None:
     return start
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of run summaries."""
-    headers = ["algorithm", "metric", "final", "last10", "rounds", "wall_s"]
-    extra = list(dict.fromkeys(k for r in rows for k in r if k not in headers))  # dist_B, new_clients_*, mf/…
-    headers += extra
-    cells = [[_fmt(r.get(h, "")) for h in headers] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e-2 and v != 0 else f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
-
-
 def split_subcommand(args: list[str]) -> tuple[str, list[str]]:
     """``[fit|validate|test] rest…`` → (subcommand, rest); no subcommand means ``fit``."""
     if args and args[0] in SUBCOMMANDS:
@@ -600,13 +581,14 @@ def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
     ``clients.csv``, and send the summary and the per-client table to W&B. ``fast_dev_run`` writes nothing."""
     from fl_lightning.engine.summary import what_ran
     from fl_lightning.loggers import log_run_end, write_clients_csv
+    from fl_lightning.results import summary_table
 
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
     summary = dict(cli.model.summary)
     trial = bool(cli.trainer.fast_dev_run)
     if cli.trainer.is_global_zero and summary:
         print()
-        print(format_table([summary]))
+        print(summary_table([summary]))
         summary["ran"] = what_ran(cli.model)  # the path and the batched job, in summary.json and W&B's config
         clients = cli.model.final_clients.rows() if cli.model.final_clients is not None else None
         stopped_early = cli.model.rounds_trained < cli.trainer.max_steps  # EarlyStopping, max_time, …
@@ -629,8 +611,10 @@ def _evaluate(cli: Any, stage: str, ckpt: str) -> dict[str, Any]:
     result: dict[str, Any] = {k: float(v) for k, v in (logged[0] if logged else {}).items()}
     result = {"stage": stage, "checkpoint": ckpt, **result, "round": cli.model.rounds_trained - 1}
     if cli.trainer.is_global_zero:
+        from fl_lightning.results import summary_cell
+
         width = max(len(k) for k in result)
-        print("\n".join(f"{k.ljust(width)}  {_fmt(v)}" for k, v in result.items()))
+        print("\n".join(f"{k.ljust(width)}  {summary_cell(v)}" for k, v in result.items()))
         path = cli.run_dir / f"{stage}.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"{stage}: {path}")

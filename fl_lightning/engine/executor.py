@@ -3,7 +3,7 @@
 ``choose_path`` decides from the algorithm, the network, the device and the workload (how many clients run at
 once, with which client optimiser and augmentation), under ``model.executor``:
 
-* ``sequential``: the reference loop (``fl_lightning.client.ClientContext``, one client after another);
+* ``sequential``: the reference loop (``fl_lightning.engine.sequential.ClientContext``, one client after another);
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
 * ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
+from fl_lightning.client import ClientOptimizer, Params, factory_name, split_state
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, draws_ahead
 from fl_lightning.engine.stacked import (
     VectorizedContext,
     batched_rule,
@@ -252,7 +253,6 @@ def stacked_updates(upd: ClientUpdate, ctx: VectorizedContext, kept: Params, lo:
             {**unstack(upd.state, k), **unstack(kept, k)},
             ctx.num_samples[k],
             upd.loss[k],
-            {name: v[k] for name, v in upd.metrics.items()},
         )
         for k in range(lo, hi)
     ]

@@ -57,29 +57,31 @@ from torch.nn import functional as F
 
 from fl_lightning.client import (
     STEPS,
-    ClientContext,
     ClientOptimizer,
-    FunctionalBatchNorm,
     Gradient,
     MaxSteps,
     Objective,
     Params,
     Penalty,
     PenaltyLike,
+    factory_name,
+    select,
+    state_name,
+)
+from fl_lightning.engine.notes import say_once
+from fl_lightning.engine.sequential import (
+    ClientContext,
+    FunctionalBatchNorm,
     class_sum_step,
     draws_ahead,
     empty_class_sums,
     epoch_draws,
-    factory_name,
     has_batchnorm,
     penalty_gradient,
-    select,
-    state_name,
     step_limit,
     steps_per_epoch,
     to_device,
 )
-from fl_lightning.engine.notes import say_once
 from fl_lightning.models.split import SplitModel
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU

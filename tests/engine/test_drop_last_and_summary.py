@@ -17,9 +17,10 @@ from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedBN, FedRoD, PFedMe
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.collect import RunResult
 from fl_lightning.experiment.report import at_chance, make_table, results_records

@@ -305,8 +305,8 @@ class CountingFedAvg(algorithms.FedAvg):
 
     vectorizable = True
 
-    def server_update(self, global_params, averaged_extra, round_idx) -> None:
-        self.seen = self.num_aggregated
+    def server_update(self, global_params, averaged_extra, facts) -> None:
+        self.seen = facts.num_aggregated
 
 
 def test_server_state_that_reads_the_unnoised_count_is_refused() -> None:

@@ -15,16 +15,9 @@ from torch.func import functional_call, grad_and_value
 from torch.nn import functional as F
 
 import fl_lightning.engine.stacked as executors
-from fl_lightning.client import (
-    ClientContext,
-    ClientOptimizer,
-    Objective,
-    Penalty,
-    loss_fn_for,
-    state_name,
-    state_template,
-)
+from fl_lightning.client import ClientOptimizer, Objective, Penalty, state_name
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, loss_fn_for, state_template
 from fl_lightning.engine.stacked import (
     BatchedAdam,
     BatchedSGD,
@@ -1799,7 +1792,7 @@ def test_custom_gradient_gets_unit_weights_on_the_batch_device() -> None:
     for an accelerator), and sets every leaf's ``grad`` to what it returns."""
     from types import SimpleNamespace
 
-    from fl_lightning.client import ClientContext
+    from fl_lightning.engine.sequential import ClientContext
 
     seen: list[Tensor] = []
 

@@ -26,9 +26,10 @@ from fl_lightning.algorithms import (
     PerFedAvg,
 )
 from fl_lightning.cli import train_config
-from fl_lightning.client import ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import loss_fn_for
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, stacked_forward, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
