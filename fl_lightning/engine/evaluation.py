@@ -35,15 +35,9 @@ from fl_lightning.engine.executor import (
     vector_context,
 )
 from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks, floyd_sample
-from fl_lightning.engine.stacked import (
-    FEATURE_CHUNK,
-    has_batchnorm,
-    has_rnn,
-    pad_rows,
-    stack,
-    stackable,
-    stacked_forward,
-)
+from fl_lightning.engine.sequential import has_batchnorm
+from fl_lightning.engine.stacked import FEATURE_CHUNK
+from fl_lightning.engine.stacked_nets import has_rnn, pad_rows, stack, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 

@@ -29,19 +29,13 @@ from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.client import ClientOptimizer, Params, factory_name, split_state
+from fl_lightning.engine.batched_optim import batched_rule
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
-from fl_lightning.engine.sequential import ClientContext, draws_ahead
-from fl_lightning.engine.stacked import (
-    VectorizedContext,
-    batched_rule,
-    has_batchnorm,
-    has_rnn,
-    per_sample_loss_for,
-    stack,
-    unstack,
-)
+from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batchnorm
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import has_rnn, per_sample_loss_for, stack, unstack
 
 __all__ = [
     "Decision",

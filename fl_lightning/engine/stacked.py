@@ -47,8 +47,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -68,21 +66,33 @@ from fl_lightning.client import (
     select,
     state_name,
 )
+from fl_lightning.engine.batched_optim import BatchedRule, batched_rule, per_row
 from fl_lightning.engine.notes import say_once
+from fl_lightning.engine.phases import Phase, PhasePlan, masked_mean, plan_phase
 from fl_lightning.engine.sequential import (
     ClientContext,
     FunctionalBatchNorm,
     class_sum_step,
     draws_ahead,
     empty_class_sums,
-    epoch_draws,
     has_batchnorm,
     penalty_gradient,
-    step_limit,
-    steps_per_epoch,
-    to_device,
 )
-from fl_lightning.models.split import SplitModel
+from fl_lightning.engine.stacked_nets import (
+    Layer,
+    channels_last,
+    has_conv,
+    has_rnn,
+    pad_rows,
+    per_sample_cross_entropy,
+    relu_layers,
+    relu_net_gradient,
+    sequential_forward,
+    stack,
+    stackable,
+    stacked_forward,
+    unstack,
+)
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
 #: How convolutional phases run over per-client weights, by device type: ``loop`` (client by client, plain autograd
@@ -98,426 +108,6 @@ def feature_chunk(device: torch.device) -> int:
 
 def conv_clients(device: torch.device) -> str:
     return CONV_CLIENTS.get(device.type, "vmap")
-
-
-def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
-    """``functional_call(module, params, (x,))`` with less memory traffic when ``module`` is an ``nn.Sequential`` (or
-    a ``SplitModel`` without a side branch whose body is one): a ``ReLU`` before a ``MaxPool2d`` runs after it, on the
-    4× smaller pooled tensor (max and ReLU commute: the same values and gradients), and every such ``ReLU`` in place
-    on a tensor this pass made, which no backward needs (the outputs of convolutions, linear layers and pools)."""
-    if isinstance(module, SplitModel) and type(module).forward is SplitModel.forward and module.side is None:
-        head = {n[len("head.") :]: v for n, v in params.items() if n.startswith("head.")}
-        body = {n[len("body.") :]: v for n, v in params.items() if n.startswith("body.")}
-        return functional_call(module.head, head, (sequential_forward(module.body, body, x),))
-    if type(module) is not nn.Sequential:
-        return functional_call(module, params, (x,))
-    children = list(module.named_children())
-    fresh, i = False, 0  # fresh: x was made by a convolution, linear layer or pool of this pass (not the caller's)
-    while i < len(children):
-        name, child = children[i]
-        after = children[i + 1][1] if i + 1 < len(children) else None
-        if type(child) is nn.ReLU and type(after) is nn.MaxPool2d and not after.return_indices:
-            x, fresh, i = _max_pool(after, x).relu_(), False, i + 2
-            continue
-        if type(child) is nn.ReLU and fresh:
-            x = x.relu_()
-        else:
-            own = {n[len(name) + 1 :]: v for n, v in params.items() if n.startswith(name + ".")}
-            x = functional_call(child, own, (x,)) if own else child(x)
-        fresh, i = isinstance(child, (nn.modules.conv._ConvNd, nn.Linear, nn.MaxPool2d)), i + 1
-    return x
-
-
-def _max_pool(pool: nn.MaxPool2d, x: Tensor) -> Tensor:
-    """``pool(x)``; a plain 2×2 pool without autograd as two elementwise maxima of strided views (the same values,
-    without the argmax indices a ``max_pool2d`` computes on the CPU)."""
-    setting = (pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
-    if torch.is_grad_enabled() or x.dim() != 4 or setting not in ((2, 2, 0, 1, False), ((2, 2), (2, 2), 0, 1, False)):
-        return pool(x)
-    h, w = x.shape[2] // 2 * 2, x.shape[3] // 2 * 2
-    rows = torch.maximum(x[:, :, 0:h:2, :w], x[:, :, 1:h:2, :w])
-    return torch.maximum(rows[..., 0::2], rows[..., 1::2])
-
-
-def _channels_last(t: Tensor) -> Tensor:
-    """A 4-D tensor (an image batch, a conv weight) in ``channels_last``; others as they are."""
-    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
-
-
-def _per_client(mask: Tensor, like: Tensor) -> Tensor:
-    """A ``[K]`` tensor shaped to broadcast against ``like`` ``[K, ...]``."""
-    return mask.view(-1, *([1] * (like.dim() - 1)))
-
-
-class BatchedSGD:
-    """``torch.optim.SGD`` on stacked per-client tensors: ``d = g + λθ``; ``b = d`` on a state's first step, else
-    ``b = μb + (1 − dampening)d``; ``θ ← θ − η(d + μb)`` with Nesterov, else ``θ ← θ − ηb``."""
-
-    def __init__(self, hyper: dict) -> None:
-        self.weight_decay, self.momentum, self.dampening = hyper["weight_decay"], hyper["momentum"], hyper["dampening"]
-        self.nesterov, self.maximize = hyper["nesterov"], hyper["maximize"]
-        self.keys = ("momentum_buffer",) if self.momentum else ()
-
-    def init(self, p: Tensor) -> Params:
-        return {"momentum_buffer": torch.zeros_like(p)} if self.momentum else {}
-
-    def step(self, p: Tensor, g: Tensor, state: Params, count: Tensor, lr: float, wd: float) -> tuple[Tensor, Params]:
-        d = -g if self.maximize else g
-        if wd:
-            d = d + wd * p
-        if not self.momentum:
-            return p - lr * d, {}
-        if self.dampening:
-            first = _per_client(count == 0, p)
-            buf = torch.where(first, d, self.momentum * state["momentum_buffer"] + (1 - self.dampening) * d)
-        else:  # a fresh buffer is zero, so μ·0 + d = d is torch's first step exactly
-            buf = self.momentum * state["momentum_buffer"] + d
-        d = d + self.momentum * buf if self.nesterov else buf
-        return p - lr * d, {"momentum_buffer": buf}
-
-    @property
-    def reads_count(self) -> bool:
-        """Whether ``step`` reads the step count (dampening skips it on a buffer's first step)."""
-        return bool(self.momentum and self.dampening)
-
-    def step_all(
-        self, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
-        decays: list[float],
-    ) -> list[tuple[Tensor, Params]]:  # fmt: skip
-        """``step`` of every parameter of a step; SGD with or without momentum (no dampening, Nesterov or
-        maximize, one weight decay) as one ``torch._foreach`` op per term over the list, with ``step``'s values."""
-        if self.dampening or self.nesterov or self.maximize or len(set(decays)) > 1:
-            return step_each(self, ps, gs, states, counts, lr, decays)
-        d = gs
-        if decays and decays[0]:
-            d = torch._foreach_add(gs, torch._foreach_mul(ps, decays[0]))
-        if not self.momentum:
-            return [(p, {}) for p in torch._foreach_sub(ps, torch._foreach_mul(d, lr))]
-        bufs = torch._foreach_mul([s["momentum_buffer"] for s in states], self.momentum)
-        torch._foreach_add_(bufs, d)
-        return [(p, {"momentum_buffer": b}) for p, b in zip(torch._foreach_sub(ps, torch._foreach_mul(bufs, lr)), bufs)]
-
-
-class BatchedAdam:
-    """``torch.optim.Adam`` / ``AdamW`` on stacked per-client tensors, each client with its own step count t:
-    ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²`` (``v̂ = max`` of all v with amsgrad),
-    ``θ ← θ − η/(1−β₁ᵗ) · m / (√v̂/√(1−β₂ᵗ) + ε)``; weight decay adds ``λθ`` to g (Adam) or multiplies θ by
-    ``1 − ηλ`` first (AdamW)."""
-
-    def __init__(self, hyper: dict, decoupled: bool) -> None:
-        self.weight_decay, (self.beta1, self.beta2) = hyper["weight_decay"], (float(b) for b in hyper["betas"])
-        self.eps, self.amsgrad, self.maximize = hyper["eps"], hyper["amsgrad"], hyper["maximize"]
-        self.decoupled = decoupled
-        self.keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
-
-    def init(self, p: Tensor) -> Params:
-        state = {"step": torch.zeros(p.shape[0], device=p.device)}
-        state.update({k: torch.zeros_like(p) for k in self.keys[1:]})
-        return state
-
-    def step(self, p: Tensor, g: Tensor, state: Params, count: Tensor, lr: float, wd: float) -> tuple[Tensor, Params]:
-        g = -g if self.maximize else g
-        step = state["step"] + 1
-        if wd and self.decoupled:
-            p = p * (1 - lr * wd)
-        elif wd:
-            g = g + wd * p
-        new = {"step": step, "exp_avg": torch.lerp(state["exp_avg"], g, 1 - self.beta1)}
-        new["exp_avg_sq"] = state["exp_avg_sq"] * self.beta2 + (1 - self.beta2) * g * g
-        second = new["exp_avg_sq"]
-        if self.amsgrad:
-            second = new["max_exp_avg_sq"] = torch.maximum(state["max_exp_avg_sq"], new["exp_avg_sq"])
-        t = _per_client(step.double(), p)
-        step_size = (lr / (1 - self.beta1**t)).to(p.dtype)
-        bias2_sqrt = ((1 - self.beta2**t) ** 0.5).to(p.dtype)
-        return p - step_size * (new["exp_avg"] / (second.sqrt() / bias2_sqrt + self.eps)), new
-
-    reads_count = False  # its own per-client ``step`` state counts
-
-    def step_all(
-        self, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
-        decays: list[float],
-    ) -> list[tuple[Tensor, Params]]:  # fmt: skip
-        return step_each(self, ps, gs, states, counts, lr, decays)
-
-
-BatchedRule = BatchedSGD | BatchedAdam
-
-
-def step_each(
-    rule: BatchedRule, ps: list[Tensor], gs: list[Tensor], states: list[Params], counts: list[Tensor], lr: float,
-    decays: list[float],
-) -> list[tuple[Tensor, Params]]:  # fmt: skip
-    """``rule.step`` of every parameter of a step, one after another (``step_all`` without a fused form)."""
-    return [rule.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
-
-
-def batched_rule(settings: ClientOptimizer) -> BatchedRule | None:
-    """The stacked-tensor version of the client optimiser, or None when there is none."""
-    probe = settings.probe()
-    hyper = probe.defaults
-    if hyper.get("differentiable") or isinstance(hyper.get("lr"), Tensor):
-        return None
-    if type(probe) is torch.optim.SGD:
-        return BatchedSGD(hyper)
-    if type(probe) in (torch.optim.Adam, torch.optim.AdamW):
-        decoupled = type(probe) is torch.optim.AdamW or bool(hyper.get("decoupled_weight_decay", False))
-        return BatchedAdam(hyper, decoupled)
-    return None
-
-
-def per_sample_cross_entropy(out: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(out, y, reduction="none")
-
-
-def per_sample_half_squared_error(out: Tensor, y: Tensor) -> Tensor:
-    return 0.5 * ((out - y) ** 2).reshape(out.shape[0], -1).mean(1)
-
-
-def per_sample_loss_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
-    """Cross-entropy, or ½·squared error averaged over each sample's outputs (so that its batch mean is the
-    sequential loop's ``0.5 * mse_loss``)."""
-    return per_sample_half_squared_error if num_classes is None else per_sample_cross_entropy
-
-
-def has_conv(net: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in net.modules())
-
-
-def has_rnn(net: nn.Module) -> bool:
-    return any(isinstance(m, nn.RNNBase) for m in net.modules())
-
-
-def pad_rows(rows: Sequence[Tensor]) -> Tensor:
-    """``[K, n_max, ...]``: each client's rows, zero-padded to the longest."""
-    out = rows[0].new_zeros((len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:]))
-    for k, r in enumerate(rows):
-        out[k, : r.shape[0]] = r
-    return out
-
-
-def stack(dicts: Sequence[Params]) -> Params:
-    return {n: torch.stack([d[n] for d in dicts]) for n in dicts[0]} if dicts else {}
-
-
-def unstack(stacked: Params, k: int) -> Params:
-    return {n: v[k] for n, v in stacked.items()}
-
-
-# ---- batched forward passes without vmap ---------------------------------------------------------------------
-ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.LeakyReLU, nn.SiLU, nn.Softplus, nn.Identity)
-
-
-def stackable(module: nn.Module) -> bool:
-    """Whether ``stacked_forward`` computes ``module`` for stacked parameters: ``Linear``, elementwise activations,
-    ``Flatten``, ``Sequential`` of those, and a ``SplitModel`` of those without a side branch."""
-    kind = type(module)
-    if kind is nn.Linear or kind is nn.Flatten or kind in ELEMENTWISE:
-        return True
-    if kind is nn.Sequential:
-        return all(stackable(m) for m in module)
-    if isinstance(module, SplitModel) and kind.forward is SplitModel.forward and module.side is None:
-        return stackable(module.body) and stackable(module.head)
-    return False
-
-
-def stacked_forward(module: nn.Module, params: Params, x: Tensor, prefix: str = "") -> Tensor:
-    """``module`` applied by every client ``k`` with its parameters ``params[name][k]`` to its inputs ``x[k]``
-    (``[K, B, ...]`` → ``[K, B, ...]``): a ``Linear`` is one batched matrix product (``baddbmm``)."""
-    kind = type(module)
-    if kind is nn.Linear:
-        weight, bias = params[prefix + "weight"], params.get(prefix + "bias")
-        flat = x.reshape(x.shape[0], -1, x.shape[-1])
-        if bias is None:
-            out = torch.bmm(flat, weight.transpose(1, 2))
-        else:
-            out = torch.baddbmm(bias.unsqueeze(1), flat, weight.transpose(1, 2))
-        return out.reshape(*x.shape[:-1], weight.shape[1])
-    if kind is nn.Flatten:
-        start = module.start_dim + 1 if module.start_dim >= 0 else module.start_dim
-        end = module.end_dim + 1 if module.end_dim >= 0 else module.end_dim
-        return x.flatten(start, end)
-    if kind in ELEMENTWISE:
-        return module(x)
-    if kind is nn.Sequential:
-        for name, child in module.named_children():
-            x = stacked_forward(child, params, x, f"{prefix}{name}.")
-        return x
-    if isinstance(module, SplitModel):
-        features = stacked_forward(module.body, params, x, prefix + "body.")
-        return stacked_forward(module.head, params, features, prefix + "head.")
-    raise TypeError(f"stacked_forward: {kind.__name__} is not supported")
-
-
-# ---- a ReLU network's gradient by hand ---------------------------------------------------------------------------
-#: one layer of a network ``relu_layers`` can differentiate by hand: ("linear", parameter prefix), ("relu", None)
-#: or ("flatten", the nn.Flatten)
-Layer = tuple[str, Any]
-
-
-def relu_layers(module: nn.Module, prefix: str = "") -> list[Layer] | None:
-    """``module`` as its layers in order when it is made of ``Linear``, ``ReLU`` and ``Flatten`` only (a
-    ``Sequential`` of those, or a ``SplitModel`` of those without a side branch), else None."""
-    kind = type(module)
-    if kind is nn.Linear:
-        return [("linear", prefix)]
-    if kind is nn.ReLU:
-        return [("relu", None)]
-    if kind is nn.Flatten:
-        return [("flatten", module)]
-    if kind is nn.Sequential:
-        layers: list[Layer] = []
-        for name, child in module.named_children():
-            inner = relu_layers(child, f"{prefix}{name}.")
-            if inner is None:
-                return None
-            layers += inner
-        return layers
-    if isinstance(module, SplitModel) and kind.forward is SplitModel.forward and module.side is None:
-        body, head = relu_layers(module.body, prefix + "body."), relu_layers(module.head, prefix + "head.")
-        return None if body is None or head is None else body + head
-    return None
-
-
-def relu_net_gradient(
-    layers: list[Layer], params: Params, x: Tensor, y: Tensor, mask: Tensor, trainable: set[str]
-) -> tuple[Params, Tensor]:
-    """Every client's masked mean cross-entropy ``L_k = Σ_b m_kb·ce_kb / max(Σ_b m_kb, 1)`` of the network
-    ``layers`` (``relu_layers``) with its parameters ``params[name][k]`` on ``x[k]``, and its gradient for the
-    ``trainable`` names, by backpropagation written out (no autograd graph): ∂L/∂z = (softmax(z) − onehot(y))·m/n
-    at the logits; a linear layer h → hWᵀ + b gives ∂W = δᵀh, ∂b = Σδ and passes δW down; a ReLU passes δ where its
-    output is positive. Returns ({name: [K, ...]}, losses [K])."""
-    h, kept = x, []
-    for kind, arg in layers:
-        if kind == "linear":
-            weight, bias = params[arg + "weight"], params.get(arg + "bias")
-            flat = h.reshape(h.shape[0], -1, h.shape[-1])
-            kept.append((h.shape, flat))
-            out = torch.bmm(flat, weight.transpose(1, 2)) if bias is None else torch.baddbmm(
-                bias.unsqueeze(1), flat, weight.transpose(1, 2))  # fmt: skip
-            h = out.reshape(*h.shape[:-1], weight.shape[1])
-        elif kind == "relu":
-            h = h.relu()
-            kept.append(h)
-        else:
-            kept.append(h.shape)
-            start = arg.start_dim + 1 if arg.start_dim >= 0 else arg.start_dim
-            end = arg.end_dim + 1 if arg.end_dim >= 0 else arg.end_dim
-            h = h.flatten(start, end)
-    k, b = mask.shape
-    log_p = torch.log_softmax(h.reshape(k, b, -1), -1)
-    per_sample = -log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-    n = mask.sum(1).clamp(min=1)
-    losses = (per_sample * mask).sum(1) / n
-    delta = log_p.exp()
-    delta.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(delta[..., :1], -1.0))
-    delta = delta * (mask / n.unsqueeze(1)).unsqueeze(-1)
-    trained = [i for i, (kind, arg) in enumerate(layers) if kind == "linear" and (
-        arg + "weight" in trainable or arg + "bias" in trainable)]  # fmt: skip
-    grads: Params = {}
-    for i in range(len(layers) - 1, min(trained, default=len(layers)) - 1, -1):
-        kind, arg = layers[i]
-        if kind == "linear":
-            shape, flat = kept[i]
-            rows = delta.reshape(k, -1, delta.shape[-1])
-            if arg + "weight" in trainable:
-                grads[arg + "weight"] = torch.bmm(rows.transpose(1, 2), flat)
-            if arg + "bias" in trainable:
-                grads[arg + "bias"] = rows.sum(1)
-            if i > trained[0]:
-                delta = torch.bmm(rows, params[arg + "weight"]).reshape(shape)
-        elif kind == "relu":
-            delta = delta * (kept[i] > 0)
-        else:
-            delta = delta.reshape(kept[i])
-    return grads, losses
-
-
-# ---- a phase's minibatches, drawn before its first step ------------------------------------------------------
-@dataclass
-class PhasePlan:
-    """Every step of one ``sgd`` phase for ``K`` clients: ``rows[s, k]`` are the data rows of client ``k``'s
-    ``s``-th minibatch (``-1``: padding), ``draws[s, k]`` their augmentation draws, ``steps[k]`` how many steps
-    client ``k`` takes. Built on the host from the clients' generators, moved to the device in one copy;
-    ``host_steps[k]`` and ``lengths[k][s]`` (the real rows of each minibatch, padding after them) stay on the
-    host."""
-
-    rows: Tensor
-    draws: Tensor | None
-    steps: Tensor
-    host_steps: list[int]
-    lengths: list[list[int]]
-    #: the step at which each client's last epoch (with a step) begins, on the host and on the device (``[K]``)
-    host_last_epoch: list[int] = field(default_factory=list)
-    last_epoch: Tensor | None = None
-
-    @property
-    def num_steps(self) -> int:
-        return self.rows.shape[0]
-
-
-def plan_phase(
-    sizes: Sequence[int],
-    offsets: Sequence[int],
-    generators: Sequence[torch.Generator],
-    budgets: Sequence[float],
-    augment: Callable | None,
-    epochs: int,
-    batch_size: int,
-    min_batch: int,
-    max_steps: int | None | Sequence[int | None],
-    device: torch.device,
-) -> PhasePlan:
-    """The draws ``ClientContext.sgd`` makes, for every client: per epoch entered, one ``epoch_draws`` (shuffle and
-    augmentation), then its minibatches in order, the last one skipped if it has fewer than ``min_batch`` samples,
-    up to the client's step limit (``max_steps``: one for all, or one per client). Step ``s`` of every client is row
-    ``s`` of the plan."""
-    per_client: list[tuple[list[Tensor], list[Tensor]]] = []
-    steps: list[int] = []
-    lengths: list[list[int]] = []
-    last_epoch: list[int] = []
-    caps = list(max_steps) if isinstance(max_steps, Sequence) else [max_steps] * len(sizes)
-    for n, start, g, budget, cap in zip(sizes, offsets, generators, budgets, caps):
-        limit = step_limit(budget, epochs, n, batch_size, cap, min_batch)
-        per_epoch = steps_per_epoch(n, batch_size, min_batch)
-        rows, draws, taken = [], [], 0
-        lengths.append([])
-        last_epoch.append(0)
-        for _ in range(epochs):
-            if limit is not None and taken >= limit:
-                break
-            perm, drawn = epoch_draws(n, g, augment)
-            take = per_epoch if limit is None else min(per_epoch, limit - taken)
-            if take:
-                last_epoch[-1] = taken
-                used = min(n, per_epoch * batch_size)
-                padded = torch.full((per_epoch * batch_size,), -1, dtype=torch.long)
-                padded[:used] = perm[:used] + start
-                rows.append(padded.view(per_epoch, batch_size)[:take])
-                lengths[-1] += [min(batch_size, used - i * batch_size) for i in range(take)]
-                if drawn is not None:
-                    d = drawn.new_zeros(per_epoch * batch_size, *drawn.shape[1:])
-                    d[:used] = drawn[:used]
-                    draws.append(d.view(per_epoch, batch_size, *drawn.shape[1:])[:take])
-            taken += take
-        per_client.append((rows, draws))
-        steps.append(taken)
-    total = max(steps, default=0)
-    first_draws = next((draws[0] for _, draws in per_client if draws), None)  # a client with no step draws none
-    width = 1 + (first_draws[0, 0].numel() if first_draws is not None else 0)
-    packed = torch.zeros(total, len(sizes), batch_size, width, dtype=torch.long)
-    packed[..., 0] = -1  # padding rows (their draws stay 0: any valid draw, masked out of the loss)
-    for k, (rows, draws) in enumerate(per_client):
-        if rows:
-            packed[: steps[k], k, :, 0] = torch.cat(rows)
-        if draws:
-            packed[: steps[k], k, :, 1:] = torch.cat(draws).reshape(steps[k], batch_size, -1)
-    k = len(sizes)
-    packed = torch.cat([packed.reshape(-1), torch.tensor(steps + last_epoch, dtype=torch.long)])
-    packed = to_device(packed, device)  # the phase's only host-to-device transfer
-    body, tail = packed[: -2 * k].view(total, k, batch_size, width), packed[-2 * k :]
-    rows, draws = body[..., 0], body[..., 1:] if width > 1 else None
-    return PhasePlan(rows, draws, tail[:k], steps, lengths, last_epoch, tail[k:])
 
 
 class VectorizedContext:
@@ -699,7 +289,7 @@ class VectorizedContext:
         xs = x.split(feature_chunk(self.device))
         ds = [None] * len(xs) if draws is None else draws.split(feature_chunk(self.device))
         return torch.cat(
-            [sequential_forward(self.net.body, body, _channels_last(c if d is None else self.augment.apply(c, d)))
+            [sequential_forward(self.net.body, body, channels_last(c if d is None else self.augment.apply(c, d)))
              for c, d in zip(xs, ds, strict=True)]
         )  # fmt: skip
 
@@ -754,7 +344,7 @@ class VectorizedContext:
         trainable = list(trainable)
         bs = batch_size or self.optimizer.batch_size
         min_batch = self.optimizer.min_batch(bs, self.net) if min_batch is None else min_batch  # drop_last
-        phase = _Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
+        phase = Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
         if rule is None:
             name = factory_name(self.optimizer.factory)
             say_once(self.net, name, logging.WARNING,
@@ -789,7 +379,7 @@ class VectorizedContext:
             epochs, bs, min_batch, self._caps(max_steps), self.device,
         )  # fmt: skip
 
-    def _sgd_batched(self, rule: BatchedRule, head_only: bool, out: Params, phase: _Phase) -> Params:
+    def _sgd_batched(self, rule: BatchedRule, head_only: bool, out: Params, phase: Phase) -> Params:
         plan = self._plan(phase.epochs, phase.bs, phase.min_batch, phase.max_steps)
         self.steps_taken = plan.steps
         if plan.num_steps == 0:
@@ -861,12 +451,12 @@ class VectorizedContext:
                         if rule.reads_count:
                             count[n] = count[n] + 1
                         continue
-                    train[n] = torch.where(_per_client(active, g), new_p, train[n])
-                    state[n] = {k: torch.where(_per_client(active, v), v, state[n][k]) for k, v in new_state.items()}
+                    train[n] = torch.where(per_row(active, g), new_p, train[n])
+                    state[n] = {k: torch.where(per_row(active, v), v, state[n][k]) for k, v in new_state.items()}
                     count[n] = count[n] + active.long()
                 for n, v in sets.items():  # untrained values the step set (BatchNorm statistics, pFedMe's θ̃)
                     v = v.to(frozen[n].dtype)
-                    frozen[n] = v if everyone else torch.where(_per_client(active, v), v, frozen[n])
+                    frozen[n] = v if everyone else torch.where(per_row(active, v), v, frozen[n])
                     changed.add(n)
                 step_loss = losses.detach().to(loss_sum.dtype)
                 loss_sum = loss_sum + (step_loss if everyone else torch.where(active, step_loss, 0.0))
@@ -986,7 +576,7 @@ class VectorizedContext:
         return grads, losses
 
     def _vmapped_step(
-        self, module: nn.Module, names: dict[str, str], phase: _Phase, batchnorm: FunctionalBatchNorm | None
+        self, module: nn.Module, names: dict[str, str], phase: Phase, batchnorm: FunctionalBatchNorm | None
     ) -> Callable:
         """``vmap`` over clients of one client's (gradient, loss, values set) on its padded minibatch: the network's
         loss or the phase's ``Objective``, plus its ``Penalty``, or its ``Gradient``; BatchNorm statistics of the
@@ -1048,7 +638,7 @@ class VectorizedContext:
 
         return step
 
-    def _sgd_in_turn(self, out: Params, phase: _Phase) -> Params:
+    def _sgd_in_turn(self, out: Params, phase: Phase) -> Params:
         """Client by client with plain autograd (``CONV_CLIENTS``: the CPU's convolutional phases):
         ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
         builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward`` (or the
@@ -1061,9 +651,9 @@ class VectorizedContext:
         trained: dict[str, list[Tensor]] = {n: [] for n in [*trainable, *buffers]}
         losses, collected = [], []
         for k in range(self.num_clients):
-            params = {n: _channels_last(v[k]) for n, v in out.items()}
+            params = {n: channels_last(v[k]) for n, v in out.items()}
             params.update({n: out[n][k].clone() for n in buffers})
-            leaves = {n: _channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
+            leaves = {n: channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
             params.update(leaves)
             opt = self.optimizer.build(leaves, phase.lr, fused=self.device.type == "cpu")
             pdata = None if penalty is None else unstack(penalty.data, k)
@@ -1078,10 +668,10 @@ class VectorizedContext:
                 opt.zero_grad(set_to_none=True)
                 logged = None
                 if objective is None:
-                    loss = self.per_sample_loss(sequential_forward(self.net, params, _channels_last(x)), data_y[rows])
+                    loss = self.per_sample_loss(sequential_forward(self.net, params, channels_last(x)), data_y[rows])
                     loss = loss.mean()
                 else:
-                    per, per_logged, *values = objective.losses(params, _channels_last(x), data_y[rows], odata)
+                    per, per_logged, *values = objective.losses(params, channels_last(x), data_y[rows], odata)
                     loss, logged = per.mean(), None if per_logged is per else per_logged.mean()
                     if objective.collect is not None and s >= plan.host_last_epoch[k]:
                         if seen is None:
@@ -1106,7 +696,7 @@ class VectorizedContext:
         out.update({n: torch.stack(v).contiguous() for n, v in trained.items()})
         return out
 
-    def _sgd_client_by_client(self, params: Params, phase: _Phase) -> Params:
+    def _sgd_client_by_client(self, params: Params, phase: Phase) -> Params:
         """Each client in turn with ``ClientContext.sgd`` (the reference, on the same generators: the same
         batches), conv inputs in ``channels_last``; no reads from the device. The phase's functions, written against
         this context, see each client's side vector."""
@@ -1166,24 +756,3 @@ class VectorizedContext:
                 self._side, self._batchnorm = None, None
 
         return one
-
-
-@dataclass
-class _Phase:
-    """One ``sgd`` call's arguments."""
-
-    trainable: list[str]
-    epochs: int
-    penalty: Penalty | None
-    lr: float
-    max_steps: MaxSteps
-    gradient: Gradient | None
-    bs: int
-    min_batch: int
-    objective: Objective | None
-
-
-def masked_mean(per: Tensor, mask: Tensor) -> Tensor:
-    """The mean of per-sample values over the real rows of a padded batch (padding rows never enter, even when
-    their value is not finite)."""
-    return torch.where(mask > 0, per, 0.0).sum() / mask.sum().clamp(min=1)

@@ -26,7 +26,8 @@ from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import loss_fn_for, state_template
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi
 from tests.helpers.clients import client_context

@@ -16,17 +16,14 @@ from torch.nn import functional as F
 
 import fl_lightning.engine.stacked as executors
 from fl_lightning.client import ClientOptimizer, Objective, Penalty, state_name
+from fl_lightning.engine.batched_optim import BatchedAdam, BatchedSGD, batched_rule
+from fl_lightning.engine.phases import plan_phase
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, loss_fn_for, state_template
-from fl_lightning.engine.stacked import (
-    BatchedAdam,
-    BatchedSGD,
-    VectorizedContext,
+from fl_lightning.engine.stacked import VectorizedContext, conv_clients
+from fl_lightning.engine.stacked_nets import (
     _max_pool,
-    batched_rule,
-    conv_clients,
     per_sample_loss_for,
-    plan_phase,
     sequential_forward,
     stack,
     stackable,
@@ -180,7 +177,7 @@ def _calls_of(module: nn.Module) -> list[int]:
 def test_a_trailing_relu_pool_pair_runs_without_the_pool_module_under_no_grad() -> None:
     """A ``ReLU`` then a plain 2×2 ``MaxPool2d`` ending the ``Sequential`` are fused like any other such pair:
     under no-grad the pool is two strided maxima (the module's forward is not called), with the module's values."""
-    from fl_lightning.engine.stacked import sequential_forward
+    from fl_lightning.engine.stacked_nets import sequential_forward
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
@@ -198,7 +195,7 @@ def test_a_trailing_relu_pool_pair_runs_without_the_pool_module_under_no_grad() 
 def test_a_relu_after_a_linear_layer_runs_in_place_without_the_module() -> None:
     """A ``ReLU`` on a tensor the pass made (a linear layer's output) is applied in place, not by calling the
     module; the values are the module's."""
-    from fl_lightning.engine.stacked import sequential_forward
+    from fl_lightning.engine.stacked_nets import sequential_forward
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
@@ -512,7 +509,7 @@ RULES = {
 def _steps_each_client_as_its_torch_optimizer(name: str) -> None:
     """The stacked optimiser rule ``RULES[name]``, with client k joining at step k (masked as the executor masks),
     gives each client what its own ``torch.optim`` optimiser gives after its own steps (float64, 1e-12)."""
-    from fl_lightning.engine.stacked import batched_rule
+    from fl_lightning.engine.batched_optim import batched_rule
 
     cls, hyper = RULES[name]
     settings = ClientOptimizer.from_config(functools.partial(cls, **hyper))
@@ -698,7 +695,7 @@ def test_step_all_without_weight_decay_leaves_an_overflowed_parameter_as_torch_s
 
 def test_batched_rule_is_none_without_a_batched_form() -> None:
     """Optimisers the executor cannot stack: another class, a tensor learning rate."""
-    from fl_lightning.engine.stacked import BatchedAdam, BatchedSGD, batched_rule
+    from fl_lightning.engine.batched_optim import BatchedAdam, BatchedSGD, batched_rule
 
     def rule(cls: type, **hyper: object):
         return batched_rule(ClientOptimizer(factory=functools.partial(cls, **hyper)))
@@ -834,7 +831,9 @@ def test_per_sample_losses_average_to_the_sequential_losses() -> None:
 def test_network_kind_probes_and_feature_chunks() -> None:
     """``has_conv``/``has_rnn``/``has_batchnorm`` find nested layers; ``feature_chunk`` is 100 rows on the CPU and
     larger elsewhere."""
-    from fl_lightning.engine.stacked import FEATURE_CHUNK, feature_chunk, has_batchnorm, has_conv, has_rnn
+    from fl_lightning.engine.sequential import has_batchnorm
+    from fl_lightning.engine.stacked import FEATURE_CHUNK, feature_chunk
+    from fl_lightning.engine.stacked_nets import has_conv, has_rnn
 
     nested = nn.Sequential(nn.Sequential(nn.Conv1d(1, 1, 1)), nn.LSTM(2, 2), nn.BatchNorm1d(2))
     assert has_conv(nested) and has_rnn(nested) and has_batchnorm(nested)
@@ -1893,7 +1892,7 @@ def test_the_networks_forward_and_loss_inside_an_objective_see_each_clients_side
 
 
 def test_pad_rows_zero_pads_every_client_to_the_longest() -> None:
-    from fl_lightning.engine.stacked import pad_rows
+    from fl_lightning.engine.stacked_nets import pad_rows
 
     rows = [torch.arange(6.0).reshape(3, 2), torch.ones(1, 2), torch.zeros(0, 2)]
     out = pad_rows(rows)

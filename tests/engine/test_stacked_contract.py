@@ -28,7 +28,8 @@ from fl_lightning.algorithms.perfedavg import PerFedAvg
 from fl_lightning.algorithms.pfedme import PFedMe
 from fl_lightning.client import Client, ClientOptimizer
 from fl_lightning.engine.sequential import ClientContext, FunctionalBatchNorm, loss_fn_for
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import per_sample_loss_for, stack, unstack
 from fl_lightning.models.split import Concat, SplitModel
 from tests.helpers.asserts import assert_close_finite
 

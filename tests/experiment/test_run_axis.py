@@ -20,7 +20,8 @@ from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler, make_generator
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stackable, stacked_forward
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import per_sample_loss_for, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.run_axis import BatchedRuns, check_batchable, parse_config
 from fl_lightning.experiment.run_axis.__main__ import main as run_axis_main

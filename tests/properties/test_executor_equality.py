@@ -30,7 +30,8 @@ from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import loss_fn_for
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, stacked_forward, unstack
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import per_sample_loss_for, stack, stacked_forward, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context

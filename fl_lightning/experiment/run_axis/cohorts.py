@@ -31,7 +31,8 @@ from fl_lightning.client import Params, split_state
 from fl_lightning.engine.executor import stacked_updates
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
-from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked import VectorizedContext
+from fl_lightning.engine.stacked_nets import per_sample_loss_for, stack, unstack
 
 if TYPE_CHECKING:
     from fl_lightning.engine.module import FederatedModule
