@@ -292,7 +292,7 @@ def cpu_seconds() -> float:
 #: calls another one, so no CPU second is charged twice.
 PARTS = (("fl_lightning.engine.executor", "run_clients", "client training"),
          ("fl_lightning.engine.evaluation", "evaluate_clients", "client evaluation"),
-         ("fl_lightning.engine.aggregation", "collect", "aggregation and server step"),
+         ("fl_lightning.engine.aggregation", "Aggregation.collect", "aggregation and server step"),
          ("fl_lightning.engine.module", "FederatedModule._server_step", "aggregation and server step"),
          ("lightning.pytorch.core.module", "LightningModule.log", "self.log"),
          ("fl_lightning.callbacks", "RoundCheckpoint._save_checkpoint", "checkpoints"),

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 
+from fl_lightning.algorithms.base import Algorithm
+from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
 
 __all__ = ["checkpoint_mismatch", "identity", "load_entries", "save_entries"]
@@ -27,7 +30,27 @@ __all__ = ["checkpoint_mismatch", "identity", "load_entries", "save_entries"]
 log = logging.getLogger("fl_lightning")
 
 
-def identity(module: Any) -> dict[str, str]:
+class CheckpointedRun(Protocol):
+    """What a checkpoint reads and restores of a ``FederatedModule`` (not imported: it imports this file)."""
+
+    algorithm: Algorithm
+    net: nn.Module
+    bank: ClientStateBank | None
+    history: list[dict[str, float]]
+    rounds_trained: int
+    upload_bytes: float
+    resumed_wall_s: float  #: training seconds before the checkpoint the run resumed from
+    attached_trainer: Any  #: Lightning's trainer, or None outside a fit
+    trainer: Any
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def wall_seconds(self) -> float: ...
+
+    def validates_after(self, round_idx: int) -> bool: ...
+
+
+def identity(module: CheckpointedRun) -> dict[str, str]:
     """What a checkpoint must match: the algorithm and network classes."""
     return {
         "algorithm": f"{type(module.algorithm).__module__}.{type(module.algorithm).__qualname__}",
@@ -35,7 +58,7 @@ def identity(module: Any) -> dict[str, str]:
     }
 
 
-def checkpoint_mismatch(module: Any, checkpoint: dict[str, Any]) -> str | None:
+def checkpoint_mismatch(module: CheckpointedRun, checkpoint: dict[str, Any]) -> str | None:
     """Why ``checkpoint`` cannot be loaded into ``module`` (another algorithm, network or size), or None."""
     theirs, ours = checkpoint.get("fl_identity"), identity(module)
     if theirs and theirs != ours:
@@ -72,10 +95,10 @@ def _meta(num_clients: int, shape: list[int], dtype: str) -> Any:
     return torch.empty((num_clients, *shape), dtype=getattr(torch, dtype.removeprefix("torch.")), device="meta")
 
 
-def journal_directories(module: Any) -> list[Path]:
+def journal_directories(module: CheckpointedRun) -> list[Path]:
     """Where a run keeps its client-state journal: ``<run_dir>/client_state`` (``trainer.default_root_dir``), and
     next to the checkpoint being loaded (``<run_dir>/checkpoints/x.ckpt`` → ``<run_dir>/client_state``)."""
-    trainer = module._trainer
+    trainer = module.attached_trainer
     if trainer is None:
         return [module.bank.directory] if getattr(module.bank, "directory", None) else []
     root = getattr(trainer, "default_root_dir", None)
@@ -88,7 +111,7 @@ def journal_directories(module: Any) -> list[Path]:
     return out
 
 
-def save_entries(module: Any, checkpoint: dict[str, Any]) -> None:
+def save_entries(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
     """``FederatedModule.on_save_checkpoint``: the run's ``fl_*`` entries (and a host or disk bank's journal)."""
     bank = module.bank
     if bank is not None and bank.placement != "device":
@@ -98,12 +121,12 @@ def save_entries(module: Any, checkpoint: dict[str, Any]) -> None:
     checkpoint["fl_wall_s"] = module.wall_seconds()
     checkpoint["fl_identity"] = identity(module)
     last = module.rounds_trained - 1
-    if module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING and last >= 0:
+    if module.attached_trainer is not None and module.trainer.state.fn == TrainerFn.FITTING and last >= 0:
         evaluated = module.history[-1]["round"] if module.history else -1
         checkpoint["fl_skips_validation_of"] = last if module.validates_after(last) and evaluated != last else None
 
 
-def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
+def load_entries(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
     """``FederatedModule.on_load_checkpoint``: refuse a checkpoint that does not fit, restore the ``fl_*``
     entries, and warn when the checkpoint was written before a validation that the resumed run will skip."""
     problem = checkpoint_mismatch(module, checkpoint) if module.bank is not None else None
@@ -114,7 +137,7 @@ def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
     module.history = list(checkpoint.get("fl_history", []))
     module.rounds_trained = int(checkpoint.get("global_step", 0))
     module.upload_bytes = float(checkpoint.get("fl_upload_bytes", 0.0))
-    module._wall_before = float(checkpoint.get("fl_wall_s", 0.0))
+    module.resumed_wall_s = float(checkpoint.get("fl_wall_s", 0.0))
     skipped = checkpoint.get("fl_skips_validation_of")
     if skipped is not None and module.trainer.state.fn == TrainerFn.FITTING:
         log.warning(
@@ -125,7 +148,7 @@ def load_entries(module: Any, checkpoint: dict[str, Any]) -> None:
         )
 
 
-def load_bank(module: Any, checkpoint: dict[str, Any]) -> None:
+def load_bank(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
     """Restore the client-state bank from either layout (see the module docstring); afterwards ``state_dict``
     holds exactly the ``bank.*`` entries the module's placement loads through Lightning (none off the device)."""
     bank, state = module.bank, checkpoint.setdefault("state_dict", {})

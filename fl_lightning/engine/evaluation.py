@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,7 @@ from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params, make_generator
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.executor import (
+    FederatedRun,
     Workload,
     choose_path,
     client_context,
@@ -38,13 +39,41 @@ from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_ch
 from fl_lightning.engine.sequential import has_batchnorm
 from fl_lightning.engine.stacked import FEATURE_CHUNK
 from fl_lightning.engine.stacked_nets import has_rnn, pad_rows, stack, stackable, stacked_forward
+from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
 
 __all__ = ["CLIENTS_PER_STEP", "ClientChunks", "ClientEvaluation", "FineTune", "client_chunks", "evaluate_clients"]
 
-#: a ``FederatedModule`` (not imported: it imports this file)
-Module = Any
+class EvaluatedRun(FederatedRun, Protocol):
+    """What evaluation reads of a ``FederatedModule`` (not imported: it imports this file), besides what the
+    executor reads (``FederatedRun``)."""
+
+    bank: ClientStateBank | None
+    client_scores: PerClientScores
+    finetune: FineTune | None
+    new_client_finetune: FineTune
+    finetuned_clients: ClientEvaluation | None
+    global_rank: int
+    attached_trainer: Any  #: Lightning's trainer, or None outside a fit
+
+    def global_params(self) -> Params: ...
+
+    def data_dtype(self) -> torch.dtype | None: ...
+
+    def evaluate_clients(
+        self,
+        round_idx: int,
+        finetune: FineTune | None = None,
+        state_of: Callable[[int], Params] | None = None,
+        split: str = "test",
+    ) -> dict[str, Tensor]: ...
+
+    def evaluate_new_clients(self, round_idx: int, new: FederatedData) -> dict[str, Tensor]: ...
+
+
+#: the run the functions below evaluate
+Module = EvaluatedRun
 
 @dataclass
 class FineTune:
@@ -259,7 +288,7 @@ def evaluate_all(
 ) -> dict[str, Tensor]:
     """Evaluate all of this rank's clients now (outside the validation loop), ``CLIENTS_PER_STEP`` clients at a
     time (memory bounded by the chunk, not by N); per-client and mean scores."""
-    trainer = module._trainer
+    trainer = module.attached_trainer
     world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
     with torch.inference_mode(False):
         module.client_scores.reset()
@@ -313,7 +342,7 @@ def class_shares(module: Module, split: str) -> dict[str, float]:
     scored with its plain model (``Algorithm.client_model``, no evaluation-time adaptation). A global model that
     predicts one class everywhere gives 1.0 where the labels give far less."""
     fed, net, algorithm = module.fed, module.net, module.algorithm
-    trainer = module._trainer
+    trainer = module.attached_trainer
     world, rank = getattr(trainer, "world_size", 1), getattr(trainer, "global_rank", 0)
     predicted = torch.zeros(fed.num_classes, dtype=torch.long, device=module.device)
     labels = torch.zeros_like(predicted)
@@ -341,7 +370,7 @@ def class_shares(module: Module, split: str) -> dict[str, float]:
 def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, float]:
     """Held-out new clients (if the DataModule has them; their test split) and "+FT" (if configured)."""
     out: dict[str, float] = {}
-    new = getattr(getattr(module._trainer, "datamodule", None), "new_clients", None)
+    new = getattr(getattr(module.attached_trainer, "datamodule", None), "new_clients", None)
     if isinstance(new, FederatedData):  # accuracy, or for regression the mean squared error (issue 18)
         name, key = ("acc", "acc_mean") if module.fed.num_classes is not None else ("mse", "loss_mean")
         out[f"final/new_clients_{name}"] = float(module.evaluate_new_clients(round_idx, new)[key])

@@ -176,7 +176,7 @@ class FederatedModule(L.LightningModule):
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
         self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
         self._fit_start = 0.0
-        self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
+        self.resumed_wall_s = 0.0  #: training seconds before the checkpoint this run resumed from
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
@@ -400,7 +400,7 @@ class FederatedModule(L.LightningModule):
         """The test split of every client, plus held-out new clients and "+FT" where configured."""
         result = self._finish_evaluation()
         metrics = validation_metrics(result, self.fed, self.net, prefix="test")
-        end = self._end_evaluations(result.round, split="test")
+        end = self.end_evaluations(result.round, split="test")
         metrics.update({k.replace("final/", "test/"): v for k, v in end.items()})
         self.log_dict(metrics)
 
@@ -419,7 +419,7 @@ class FederatedModule(L.LightningModule):
         """Held-out clients that never trained (``evaluation.evaluate_new_clients``)."""
         return evaluation.evaluate_new_clients(self, round_idx, new)
 
-    def _end_evaluations(self, round_idx: int, split: str) -> dict[str, float]:
+    def end_evaluations(self, round_idx: int, split: str) -> dict[str, float]:
         return evaluation.end_evaluations(self, round_idx, split)
 
     # ---- end of fit ----------------------------------------------------------------------------------------
@@ -429,9 +429,14 @@ class FederatedModule(L.LightningModule):
         self.summary = run_summary(self)
 
     # ---- checkpoints: fl_lightning.engine.checkpoint ------------------------------------------------------------
+    @property
+    def attached_trainer(self) -> L.Trainer | None:
+        """Lightning's trainer, or None when the module is not attached to one (``trainer`` raises then)."""
+        return self._trainer
+
     def wall_seconds(self) -> float:
         """Training time of the run, over every process that trained it (resumes included)."""
-        return self._wall_before + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
+        return self.resumed_wall_s + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint_entries.save_entries(self, checkpoint)

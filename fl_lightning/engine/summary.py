@@ -8,16 +8,34 @@ added when they apply.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from fl_lightning.engine import executor
-from fl_lightning.engine.evaluation import class_shares, main_metric
+from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.evaluation import ClientEvaluation, EvaluatedRun, class_shares, main_metric
+from fl_lightning.engine.privacy import PrivacyEngine
 
-#: a ``FederatedModule`` (not imported: it imports this file)
-Module = Any
+
+class FinishedRun(EvaluatedRun, Protocol):
+    """What the summary reads of a ``FederatedModule`` at the end of its fit (not imported: it imports this file)."""
+
+    fed: FederatedData
+    history: list[dict[str, float]]
+    eval_last: int
+    rounds_trained: int
+    upload_bytes: float
+    privacy: PrivacyEngine | None
+    last_evaluation: ClientEvaluation | None
+    final_clients: ClientEvaluation | None
+    loggers: list[Any]
+    validation_split: str
+
+    def wall_seconds(self) -> float: ...
+
+    def end_evaluations(self, round_idx: int, split: str) -> dict[str, float]: ...
 
 
-def run_summary(module: Module) -> dict[str, Any]:
+def run_summary(module: FinishedRun) -> dict[str, Any]:
     """The summary of ``module``'s fit, after its last round's validation; runs the end-of-training evaluations
     ("+FT", new clients), logs them, and sets ``module.final_clients`` (the per-client rows of ``clients.csv``)."""
     key = main_metric(module.fed)
@@ -41,7 +59,7 @@ def run_summary(module: Module) -> dict[str, Any]:
         summary["classes"] = module.fed.num_classes  # chance accuracy is 1/classes (the report flags a collapse)
     if "val/dist_B" in last:
         summary["dist_B"] = last["val/dist_B"]
-    end = module._end_evaluations(module.rounds_trained - 1, split=module.validation_split)
+    end = module.end_evaluations(module.rounds_trained - 1, split=module.validation_split)
     for name in ("acc", "mse"):
         if f"final/new_clients_{name}" in end:
             summary[f"new_clients_{name}"] = end[f"final/new_clients_{name}"]
@@ -65,7 +83,7 @@ def run_summary(module: Module) -> dict[str, Any]:
 
 
 
-def what_ran(module: Module) -> dict[str, Any]:
+def what_ran(module: FinishedRun) -> dict[str, Any]:
     """The path that trained the run's clients (``executor.decide``: ``stacked`` or ``sequential``, and why) and
     the batched job it shared (its runs, and those whose clients trained in one call with its own), or ``None``
     for a run alone: ``summary.json``'s and the W&B config's ``ran``."""

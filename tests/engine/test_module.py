@@ -249,7 +249,7 @@ def test_finish_evaluation_is_the_last_trained_rounds_scores_as_ordinary_tensors
     result.acc_per_client.add_(0.0)  # an inference tensor refuses in-place updates outside inference mode
 
 
-# ---- _end_evaluations ----------------------------------------------------------------------------------------------
+# ---- end_evaluations ----------------------------------------------------------------------------------------------
 def _new_clients() -> FederatedData:
     split = ClientSplit(torch.zeros(2, 1, 8, 8), torch.zeros(2, dtype=torch.long), torch.tensor([0, 1, 2]))
     return FederatedData(split, split, 10)
@@ -285,23 +285,23 @@ def _wired(num_classes: int | None, finetune: FineTune | None) -> tuple[Federate
     return module, calls, new
 
 
-def test_end_evaluations_reports_the_new_clients_accuracy() -> None:
+def testend_evaluations_reports_the_new_clients_accuracy() -> None:
     module, calls, new = _wired(10, None)
-    out = module._end_evaluations(ROUND, split="test")
+    out = module.end_evaluations(ROUND, split="test")
     assert out == {"final/new_clients_acc": 0.625}
     assert len(calls.new) == 1 and calls.new[0][0] == ROUND and calls.new[0][1] is new
     assert calls.clients == [] and module.finetuned_clients is None
 
 
-def test_end_evaluations_reports_the_new_clients_mse_for_regression() -> None:
+def testend_evaluations_reports_the_new_clients_mse_for_regression() -> None:
     module, calls, _ = _wired(None, None)
-    assert module._end_evaluations(ROUND, split="test") == {"final/new_clients_mse": 1.75}
+    assert module.end_evaluations(ROUND, split="test") == {"final/new_clients_mse": 1.75}
 
 
-def test_end_evaluations_finetune_on_the_given_split_and_round() -> None:
+def testend_evaluations_finetune_on_the_given_split_and_round() -> None:
     ft = FineTune(epochs=2, prefixes=("head.",))
     module, calls, _ = _wired(10, ft)
-    out = module._end_evaluations(ROUND, split="val")
+    out = module.end_evaluations(ROUND, split="val")
     assert out == {"final/new_clients_acc": 0.625, "final/acc_ft": 0.75}
     assert calls.clients == [(ROUND, ft, "val")]
     result = module.finetuned_clients
@@ -310,15 +310,15 @@ def test_end_evaluations_finetune_on_the_given_split_and_round() -> None:
     assert result.samples_per_client is not None and result.samples_per_client.tolist() == [2.0, 3.0]
 
 
-def test_end_evaluations_without_new_clients_or_finetune_is_empty() -> None:
+def testend_evaluations_without_new_clients_or_finetune_is_empty() -> None:
     """No datamodule with new clients (a trainer without a datamodule attribute, or no trainer) and no "+FT"."""
     module = _module()
     assert module._trainer is None
-    assert module._end_evaluations(ROUND, split="test") == {}
+    assert module.end_evaluations(ROUND, split="test") == {}
     module._trainer = SimpleNamespace()
-    assert module._end_evaluations(ROUND, split="test") == {}
+    assert module.end_evaluations(ROUND, split="test") == {}
     module._trainer = SimpleNamespace(datamodule=SimpleNamespace())
-    assert module._end_evaluations(ROUND, split="test") == {}
+    assert module.end_evaluations(ROUND, split="test") == {}
 
 
 # ---- __init__: what is stored and passed on ---------------------------------------------------------------
@@ -695,7 +695,7 @@ def test_count_upload_accumulates() -> None:
 # ---- wall_seconds ------------------------------------------------------------------------------------------
 def test_wall_seconds_adds_this_process_to_the_resumed_time() -> None:
     module = make_module()
-    module._wall_before = 5.0
+    module.resumed_wall_s = 5.0
     start = time.perf_counter()
     module._fit_start = start - 2.0  # this process started its clock 2 s ago
     wall = module.wall_seconds()
@@ -705,7 +705,7 @@ def test_wall_seconds_adds_this_process_to_the_resumed_time() -> None:
 
 def test_wall_seconds_before_the_clock_starts_is_the_resumed_time() -> None:
     module = make_module()
-    module._wall_before = 5.0
+    module.resumed_wall_s = 5.0
     assert module.wall_seconds() == 5.0
 
 
@@ -756,7 +756,7 @@ def saving(rounds: int, history_rounds: list[int], every: int = 2, fn: TrainerFn
     module.rounds_trained = rounds
     module.history = [{"round": float(r), "val/acc_mean": 0.5} for r in history_rounds]
     module.upload_bytes = 321.0
-    module._wall_before = 2.5
+    module.resumed_wall_s = 2.5
     checkpoint: dict[str, Any] = {}
     module.on_save_checkpoint(checkpoint)
     assert checkpoint["fl_history"] == module.history and checkpoint["fl_history"] is not module.history
@@ -802,16 +802,16 @@ def test_load_checkpoint_restores_the_run_state(caplog: pytest.LogCaptureFixture
     assert caplog.records == []
     assert module.history == history and module.history is not history
     assert module.rounds_trained == 7 and isinstance(module.rounds_trained, int)
-    assert module.upload_bytes == 99.0 and module._wall_before == 12.5
+    assert module.upload_bytes == 99.0 and module.resumed_wall_s == 12.5
 
 
 def test_load_checkpoint_defaults_for_an_old_checkpoint() -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))  # no bank yet: nothing to compare
     with_trainer(module, state=SimpleNamespace(fn=TrainerFn.FITTING))
-    module.history, module.rounds_trained, module.upload_bytes, module._wall_before = [{"round": 0.0}], 3, 5.0, 6.0
+    module.history, module.rounds_trained, module.upload_bytes, module.resumed_wall_s = [{"round": 0.0}], 3, 5.0, 6.0
     module.on_load_checkpoint({"fl_identity": {"algorithm": "x.Other", "network": "y.Net"}})
     assert module.history == [] and module.rounds_trained == 0
-    assert module.upload_bytes == 0.0 and module._wall_before == 0.0
+    assert module.upload_bytes == 0.0 and module.resumed_wall_s == 0.0
 
 
 def test_load_checkpoint_refuses_another_model() -> None:

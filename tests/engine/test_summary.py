@@ -36,18 +36,18 @@ def ending(
     rounds: int = 6,
     **kwargs: Any,
 ) -> tuple[FederatedModule, Recorder, Recorder]:
-    """A module at the end of ``rounds`` rounds with ``history``; ``_end_evaluations`` returns ``end``."""
+    """A module at the end of ``rounds`` rounds with ``history``; ``end_evaluations`` returns ``end``."""
     module = make_module(**kwargs)
     module.fed = fed
     module.history = history
     module.rounds_trained = rounds
     module.upload_bytes = 1234.0
-    module._wall_before = 3.5  # resumed: 3.5 s before, and this process never started its clock
+    module.resumed_wall_s = 3.5  # resumed: 3.5 s before, and this process never started its clock
     module.last_evaluation = last_evaluation(rounds - 1) if history else None
     logger = SimpleNamespace(log_metrics=Recorder())
     with_trainer(module, loggers=[logger])
     stub = Recorder(dict(end or {}))
-    module._end_evaluations = stub
+    module.end_evaluations = stub
     module.on_train_end()
     return module, stub, logger.log_metrics
 
@@ -132,7 +132,7 @@ def test_summary_leaves_out_a_stale_final_spread() -> None:
     module.fed, module.history, module.rounds_trained = digits_fed_2(), acc_history(), 8
     module.last_evaluation = last_evaluation(5)
     with_trainer(module, loggers=[])
-    module._end_evaluations = Recorder({})
+    module.end_evaluations = Recorder({})
     module.on_train_end()
     assert module.final_clients is module.last_evaluation
     assert not any(k.startswith("final_") for k in module.summary)
@@ -163,7 +163,7 @@ def test_summary_with_finetune_keeps_the_plain_and_finetuned_figures_apart() -> 
         assert (round_idx, split) == (5, "val")
         return dict(end)
 
-    module._end_evaluations = end_evaluations
+    module.end_evaluations = end_evaluations
     module.on_train_end()
     s = module.summary
     assert s["algorithm"] == "FedAvg+FT"
