@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                 setting = f"sigma={sigma:g}"
                 records += [record("dp", METHODS[method], "acc", acc, seed, setting),
                             record("dp", METHODS[method], "epsilon", epsilon, seed, setting)]  # fmt: skip
+                write_results(records, args.out)  # as it goes (finished runs are also reused on a rerun)
     local = []
     for seed in range(0 if args.no_local else args.seeds):
         local.append(float(run_one("local", None, seed, args.rounds, args.out / "runs")["final"]))
         records.append(record("dp", "Local Only", "acc", local[-1], seed, "no upload"))
+        write_results(records, args.out)
     rows = []
     for sigma in args.sigmas:
         row: list = [f"{sigma:g}", f"{eps[sigma]:.3g}" if math.isfinite(eps[sigma]) else "inf"]
