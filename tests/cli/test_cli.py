@@ -104,7 +104,7 @@ BAD_INPUTS = {
     "negative lr": (["--model.lr", "-0.1"], "lr must be positive"),
     "personal prefix matches nothing": (["--model.algorithm.init_args.personal", "[classifier.]"], "matches no"),
     "unknown key": (["--model.learning_rate", "0.1"], "learning_rate"),
-    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
+    "missing resume checkpoint": (["--ckpt_path", "last"], "no checkpoint"),  # in the test's fresh run dir
 }
 
 
@@ -470,8 +470,8 @@ CASES: dict[str, tuple] = {
     "missing config file": (lambda tmp: ["--config", str(tmp / "nope.yaml")], "nope.yaml"),
     "yaml syntax error": (lambda tmp: ["--config", yaml_file(tmp, "model: [unclosed\n")], "bad.yaml"),
     "yaml wrong type": (lambda tmp: ["--config", yaml_file(tmp, "model:\n  lr: [1, 2]\n")], "model.lr"),
-    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
-    "resume file missing": (["--ckpt_path", "/nonexistent/x.ckpt"], "does not exist"),
+    "missing resume checkpoint": (["--ckpt_path", "last"], "no checkpoint"),  # in the test's fresh run dir
+    "resume file missing": (lambda tmp: ["--ckpt_path", str(tmp / "nowhere" / "x.ckpt")], "does not exist"),
     "corrupt checkpoint file": (
         lambda tmp: ["--ckpt_path", yaml_file(tmp, "not a zip", "broken.ckpt")],
         "truncated or corrupt",
