@@ -18,6 +18,7 @@ line or the config file and line), the value given, what is allowed and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
@@ -184,6 +185,7 @@ def run_dir_problem(run_dir: Path) -> str | None:
             if not os.access(folder, os.W_OK | os.X_OK):
                 return f"--run_dir {run_dir}: {folder} is not writable (permission denied or a read-only file system)"
             break
+    created = [f for f in (run_dir, *run_dir.parents) if not f.exists()]  # made by the probe, removed after it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -191,4 +193,8 @@ def run_dir_problem(run_dir: Path) -> str | None:
         probe.unlink()
     except OSError as exc:
         return f"--run_dir {run_dir} cannot be written ({exc.strerror or exc})"
+    finally:  # a refused command leaves no empty folder behind: the run creates its dir when it starts
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return None
