@@ -201,6 +201,21 @@ def test_an_empty_test_split_is_refused_unless_evaluation_is_off(tmp_path, capsy
     args = ["--data.init_args.test_fraction", "0"]
     refused(capsys, train(tmp_path / "run", *args), "test split is empty", "test_fraction=0", "limit_val_batches 0")
     assert train(tmp_path / "off", *args, "--trainer.limit_val_batches", "0", steps="1") == 0  # asked for: works
+    capsys.readouterr()
+
+
+def test_a_run_without_evaluation_reports_no_accuracy_rather_than_nan_or_zero(tmp_path, capsys):
+    """``--trainer.limit_val_batches 0``: summary.json is strict JSON without final/last10/best (it held a bare
+    ``NaN`` and a fake ``last10 0.0``), says no evaluation ran, and keeps the figures that need none."""
+    assert train(tmp_path / "run", "--trainer.limit_val_batches", "0") == 0
+    assert "nan" not in capsys.readouterr().out.lower()
+
+    def strict(token: str) -> float:
+        raise AssertionError(f"summary.json holds {token}")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=strict)
+    assert not {"final", "last10", "best"} & set(summary)
+    assert summary["evaluations"] == 0 and summary["rounds"] == 2 and summary["upload_bytes"] > 0
 
 
 # ---- the environment ----------------------------------------------------------------------------------------------
