@@ -135,6 +135,7 @@ def make_loggers(
         else:
             extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
             logger = WandbLogger(save_dir=str(run_dir), **{"job_type": wandb.job_type, **extra}, **settings)
+        logger._wandb_init.pop("anonymous", None)  # W&B warns on every run that the setting has no effect
         try:
             logger.log_hyperparams(config)  # starts the W&B run
         except Exception as exc:  # W&B's own checks (pydantic Settings, UsageError): one line naming the option
@@ -297,6 +298,21 @@ def check_accelerator(accelerator: Any) -> None:
         f"trainer.accelerator {accelerator}: torch sees no GPU on this machine (torch.cuda.is_available() is False); "
         "fix: --trainer.accelerator cpu, or auto (the GPU when there is one)"
     )
+
+
+def quiet_third_party() -> None:
+    """Silence the warnings of Lightning and torch that a user cannot act on (issue 45): a resume's "Checkpoint
+    directory … exists and is not empty" (the run dir holds its own checkpoints by design), the request to pass the
+    callbacks that wrote the checkpoint (``RoundCheckpoint`` is always there; its interval may change on resume),
+    and ``torch.load``'s ``weights_only`` notices (the CLI loads checkpoints with ``weights_only=True`` itself)."""
+    import warnings
+
+    for pattern in (
+        r"Checkpoint directory .* exists and is not empty",
+        r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
+        r".*weights_only",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def distributed_strategy(trainer_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -544,6 +560,9 @@ class _DropNoise:
         "GPU available: False",
         "`Trainer(val_check_interval=1)` was configured",
         "Seed set to",
+        "`Trainer.fit` stopped:",  # the run's own table and "run: DIR" say that it ended
+        "Restored all states from the checkpoint",  # "Restoring states from … PATH" already names it
+        "Loaded model weights from the checkpoint",
     )
 
     def filter(self, record: Any) -> bool:
@@ -604,6 +623,7 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
     from fl_lightning.engine.module import FederatedModule
 
     quiet_console()
+    quiet_third_party()
     cli_class = _make_cli_class(stage, args)
     try:
         cli = cli_class(

@@ -506,3 +506,33 @@ def test_malformed_input_stops_with_one_line(case, tmp_path, capsys):
 
 def test_there_are_at_least_30_cases():
     assert len(CASES) >= 30
+
+
+#: third-party lines a user cannot act on (issue 45): none may reach the console of a run, a resume or a test
+NOISE = ("anonymous setting", "Trainer.fit` stopped", "exists and is not empty", "weights_only", "Be aware that",
+         "Restored all states", "Loaded model weights", "Warning", "warn(")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_console_of_a_run_a_resume_and_a_test_shows_the_run_only(tmp_path):
+    """With W&B offline as under ``make`` (``WANDB_SILENT``) and Python's warnings on (no ``PYTHONWARNINGS``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    run_dir = tmp_path / "run"
+
+    def command(*args: str) -> str:
+        out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--run_dir", str(run_dir)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stderr
+
+    quick = [*QUICK, "--checkpoint_every", "1", "--model.algorithm.init_args.head_epochs", "1"]
+    consoles = [
+        command(*quick, "--trainer.max_steps", "2"),
+        command(*quick, "--trainer.max_steps", "3", "--ckpt_path", "last", "--checkpoint_every", "2"),
+        command("test", *quick, "--ckpt_path", str(run_dir / "checkpoints" / "round00002.ckpt")),
+    ]
+    for stderr in consoles:
+        noise = [line for line in stderr.splitlines() if any(n in line for n in NOISE)]
+        assert noise == [], noise
+    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints'}" in consoles[1]
