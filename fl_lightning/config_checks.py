@@ -169,6 +169,11 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
         raise refuse("wandb.histogram_every", wandb["histogram_every"], "must be an integer ≥ 0 (0: never)", args)
     model = config.get("model")
     if isinstance(model, dict):
+        for name, allowed in (("momentum", "must be ≥ 0"), ("weight_decay", "must be ≥ 0"),
+                              ("eval_last", "must be an integer ≥ 0 (the last rounds evaluated every round)")):
+            value = model.get(name)
+            if _is_number(value) and value < 0:  # one key, its value and where it was set
+                raise refuse(f"model.{name}", value, allowed, args)
         _walk(model, "model", "fl_lightning.engine.module.FederatedModule", args)
     _walk(config.get("data"), "data", None, args)
 

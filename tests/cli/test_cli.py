@@ -472,6 +472,15 @@ CASES: dict[str, tuple] = {
     "yaml wrong type": (lambda tmp: ["--config", yaml_file(tmp, "model:\n  lr: [1, 2]\n")], "model.lr"),
     "missing resume checkpoint": (["--ckpt_path", "last"], "no checkpoint"),  # in the test's fresh run dir
     "resume file missing": (lambda tmp: ["--ckpt_path", str(tmp / "nowhere" / "x.ckpt")], "does not exist"),
+    # issue 45: a choice key names the value and the choices, a range error its one key, value and where it was set
+    "choice key": (["--model.aggregation", "foo"],
+                   "model.aggregation: value 'foo' given, expected one of uniform, num_samples; fix:"),
+    "executor choice": (["--model.executor", "bar"], "expected one of auto, sequential, vectorized"),
+    "negative momentum": (["--model.momentum", "-1"], "model.momentum must be ≥ 0, got -1.0 (--model.momentum)"),
+    "negative eval_last": (["--model.eval_last", "-2"], "model.eval_last must be an integer ≥ 0"),
+    "unknown partition class": (["--data.init_args.partition", "datamodules.FooPartition"],
+                                "data.partition: unknown class 'datamodules.FooPartition' (known partitions: Dirichlet"),
+    "config is a folder": (lambda tmp: ["--config", str(tmp)], "is a folder, not a config file"),
     "corrupt checkpoint file": (
         lambda tmp: ["--ckpt_path", yaml_file(tmp, "not a zip", "broken.ckpt")],
         "truncated or corrupt",
