@@ -476,10 +476,11 @@ CASES: dict[str, tuple] = {
     "choice key": (["--model.aggregation", "foo"],
                    "model.aggregation: value 'foo' given, expected one of uniform, num_samples; fix:"),
     "executor choice": (["--model.executor", "bar"], "expected one of auto, sequential, vectorized"),
-    "negative momentum": (["--model.momentum", "-1"], "model.momentum must be ≥ 0, got -1.0 (--model.momentum)"),
+    "negative momentum, named alone": (["--model.momentum", "-1"],
+                                       "model.momentum must be ≥ 0, got -1.0 (--model.momentum)"),
     "negative eval_last": (["--model.eval_last", "-2"], "model.eval_last must be an integer ≥ 0"),
     "unknown partition class": (["--data.init_args.partition", "datamodules.FooPartition"],
-                                "data.partition: unknown class 'datamodules.FooPartition' (known partitions: Dirichlet"),
+                                "data.partition: unknown class 'datamodules.FooPartition' (known partitions:"),
     "config is a folder": (lambda tmp: ["--config", str(tmp)], "is a folder, not a config file"),
     "corrupt checkpoint file": (
         lambda tmp: ["--ckpt_path", yaml_file(tmp, "not a zip", "broken.ckpt")],
