@@ -306,6 +306,10 @@ class Experiment:
 # ---- loading and validation ----------------------------------------------------------------------------------
 
 
+#: the longest experiment name (a folder name and W&B's group: both refuse far longer ones, not in one line)
+MAX_NAME = 100
+
+
 def load_experiment(path: str | Path, runs_dir: str | Path | None = None) -> Experiment:
     """Read and validate an experiment file; every problem is an :class:`ExperimentError` naming file and key."""
     path = Path(path)
@@ -334,6 +338,9 @@ def parse_experiment(
     name = data.get("name")
     if not isinstance(name, str) or not LABEL.match(name):
         raise fail("name", f"expected a name of letters, digits and _.+=- (got {name!r})")
+    if len(name) > MAX_NAME:  # it names the folder runs/<name>/ and the W&B group (at most 128 characters)
+        raise fail("name", f"at most {MAX_NAME} characters (it names the folder runs/<name>/ and the W&B group), "
+                           f"got {len(name)}: {name[:20]}…; fix: a shorter name")  # fmt: skip
 
     def config_path(key: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
