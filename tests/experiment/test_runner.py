@@ -119,6 +119,9 @@ BAD = {
     "unknown wandb key": ({"wandb": {"group": "g"}}, "wandb.group: unknown key"),
     "bad axis value": ({"axes": {"method": {"fedavg": 3}}}, "axes.method.fedavg: expected a config path"),
     "300-character name": ({"name": "x" * 300}, "name: at most 100 characters"),  # was a chained traceback
+    "report metric typo": ({"report": {"metrics": ["last10", "final_worst"]}},
+                           "report.metrics: 'final_worst' is not a summary.json figure; did you mean final_worst10?"),
+    "report curve without a key": ({"report": {"curve": "acc_mean"}}, "report.curve: expected a metrics.csv column"),
 }
 
 
