@@ -190,6 +190,9 @@ def run_dir_problem(run_dir: Path) -> str | None:
             if not os.access(folder, os.W_OK | os.X_OK):
                 return f"--run_dir {run_dir}: {folder} is not writable (permission denied or a read-only file system)"
             break
+    if run_dir.is_dir() and ((run_dir / "commands.sh").is_file() or next(run_dir.glob("*/**/run.json"), None)):
+        return (f"--run_dir {run_dir} holds an experiment's runs in its subfolders (a run written there would hide "
+                "them from compare)")
     created = [f for f in (run_dir, *run_dir.parents) if not f.exists()]  # made by the probe, removed after it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

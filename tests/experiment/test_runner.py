@@ -204,6 +204,20 @@ def test_run_then_rerun_skips_and_compare_matches_the_metrics_csv(tiny_grid, tmp
         assert r["value"] == pytest.approx(last10_from_csv(dirs[r["method"]][r["seed"]]), abs=1e-6)
 
 
+def test_train_py_refuses_an_experiments_folder_as_its_run_dir(tiny_grid, capsys):
+    """A run written into runs/<name>/ would make compare take that folder for one run and skip the grid's runs."""
+    from tests.helpers.training import train_here
+
+    _, runs, _, _ = tiny_grid
+    before = sorted(str(p) for p in runs.rglob("*"))
+    for folder in (runs / "tiny", runs / "tiny" / "fedavg"):
+        code = train_here(["--config", f"{DIGITS}/base.yaml", "--config", f"{DIGITS}/fedavg.yaml", "--run_dir",
+                           str(folder), "--trainer.max_steps", "1", "--wandb.mode", "disabled"])  # fmt: skip
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "holds an experiment's runs in its subfolders" in lines[0], lines
+    assert sorted(str(p) for p in runs.rglob("*")) == before
+
+
 def test_a_refused_rerun_leaves_commands_sh_as_it_was(tmp_path, capsys):
     """Rerunning a finished grid with another learning rate is refused run by run (their dirs hold runs of other
     arguments): commands.sh keeps the commands that ran, not the ones that never did."""
