@@ -485,7 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     records: list = []
     rows: list = []
     for name in args.workloads:
-        WORKLOADS[name](args, records, rows)
+        try:
+            WORKLOADS[name](args, records, rows)
+        except BaseException:  # what the earlier workloads measured is kept; the error follows
+            path = write_results(records, args.out)
+            print(f"workload {name} failed; results.json keeps the records before it: {path}")
+            raise
+        write_results(records, args.out)  # as it goes: a failure later keeps this workload's records
     print()
     print("Batched runs vs the same runs one after another (totals, 1 CPU thread; speed-up = reference / batched)")
     print(format_table(["workload", "runs", "wall_s", "cpu_s", "speedup_wall", "speedup_cpu", "max_abs_diff"], rows))

@@ -344,7 +344,8 @@ def gradient_algorithms() -> dict[str, type[algorithms.Algorithm]]:
 def pfllib_cnn(bench: Bench) -> None:
     n_train, n_test, n_clients, head = sizes(bench.args)
     data = image_data(n_clients, n_train, n_test)
-    bench.compare("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head, 1), 10, 10 * n_train * (head + 1))
+    cohort = min(10, n_clients)
+    bench.compare("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head, 1), cohort, cohort * n_train * (head + 1))
 
 
 METHOD_HEADERS = ["method", "auto path", "sequential s/round", "auto s/round", "seq/auto", "seq / FedAvg seq"]
@@ -421,7 +422,8 @@ def print_methods_table(bench: Bench) -> None:
 def fedrep_cnn_aug(bench: Bench) -> None:
     n_train, n_test, n_clients, head = sizes(bench.args)
     data = image_data(n_clients, n_train, n_test, augment=CropFlip(4))
-    bench.compare("fedrep_cnn_aug", CifarCNN, data, lambda: FedRep(head, 1), 10, 10 * n_train * (head + 1))
+    cohort = min(10, n_clients)
+    bench.compare("fedrep_cnn_aug", CifarCNN, data, lambda: FedRep(head, 1), cohort, cohort * n_train * (head + 1))
 
 
 @workload("fedrep_phases")
@@ -432,7 +434,7 @@ def fedrep_phases(bench: Bench) -> None:
     round's speedup is at most sequential round / vectorized body phase."""
     n_train, n_test, n_clients, head = sizes(bench.args)
     data = image_data(n_clients, n_train, n_test)
-    cohort = ClientSampler(n_clients, 10, seed=0).sample(0).tolist()
+    cohort = ClientSampler(n_clients, min(10, n_clients), seed=0).sample(0).tolist()
     modules, spent = {}, {}
     for executor in ("sequential", "vectorized"):  # built first, then the executors take turns round by round
         torch.manual_seed(0)
@@ -551,9 +553,12 @@ def scale(bench: Bench) -> None:
 @workload("run_axis")
 def run_axis(bench: Bench) -> None:
     """Several runs batched vs one after another (``benchmarks/batched_runs.py``; its own table and results.json)."""
-    from benchmarks import run_axis
+    import shlex
 
-    run_axis.main(["--out", str(bench.args.out / "run_axis"), *(["--quick"] if bench.args.quick else [])])
+    from benchmarks import batched_runs
+
+    extra = shlex.split(bench.args.run_axis_args or "")
+    batched_runs.main(["--out", str(bench.args.out / "run_axis"), *(["--quick"] if bench.args.quick else []), *extra])
 
 
 # ---- main ---------------------------------------------------------------------------------------------------------
@@ -585,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", action="store_true", help="also bf16 autocast on the CPU")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 on CUDA (train.py's)")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
+    parser.add_argument("--run_axis_args", default="", metavar="ARGS",
+                        help="run_axis: more options of python -m benchmarks.batched_runs, e.g. '--seeds 2'")
     parser.add_argument(
         "--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=sorted(WORKLOADS), metavar="NAME",
         help=f"which workloads (default: {' '.join(DEFAULT_WORKLOADS)}; all: {' '.join(sorted(WORKLOADS))})",
@@ -598,15 +605,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, resolve_device(args.device))
     threads = f", {args.threads} thread(s)" if bench.device.type == "cpu" else ""
     print(f"device: {bench.name} ({bench.device}){threads}")
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in args.workloads:
-        WORKLOADS[name](bench)
+        try:
+            WORKLOADS[name](bench)
+        except BaseException:  # what the earlier workloads measured is kept; the error follows
+            path = write_results(bench.records, args.out)
+            print(f"workload {name} failed; results.json keeps the {len(bench.records)} records before it: {path}")
+            raise
+        write_results(bench.records, args.out)  # as it goes: a failure later keeps this workload's records
 
     print()
     print(f"client work per round on {bench.name}, median of {args.rounds} rounds; speedup vs sequential fp32")
     print(format_table(TABLE_HEADERS, bench.rows))
     if bench.method_rows:
         print_methods_table(bench)
-    args.out.mkdir(parents=True, exist_ok=True)
     timed = [(w, v, t) for w, v, t, *_ in bench.rows if t == t and not w.startswith(("scale", "digits_precision"))]
     if timed:
         bar_chart(args.out / "round_times.png", [f"{w}\n{v}" for w, v, _ in timed], [t for *_, t in timed],

@@ -333,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record("scale", method, key, result[key], setting=setting))
         rows.append([method, n, result["placement"], *(result[key] / scale for _, key, scale in ROWS)])
         print(format_table(["method", "N", "client_state", *(h for h, _, _ in ROWS)], rows[-1:]), flush=True)
+        write_results(records, args.out)  # as it goes: a failure at a later size keeps the sizes measured
     print()
     print(format_table(["method", "N", "client_state", *(h for h, _, _ in ROWS)], rows))
     labels = [f"{r[0]} {r[1]:g} {r[2]}" for r in rows]

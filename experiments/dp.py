@@ -9,9 +9,8 @@ beside ε (the run's accountant: dp-accounting RDP, replace-one neighbours). σ 
 Local Only (``configs/digits/local.yaml``, nothing uploaded: ε = 0) is the reference line (``--no-local`` skips it).
 Finished runs under ``--out``/runs are reused. Writes ``results.json`` (one row per run and metric: ``acc`` and
 ``epsilon``) and ``dp_accuracy_vs_epsilon.png``, and prints ``results: PATH``. ``--rounds`` and the seeds are the
-only knobs of its budget: the default, 45 private runs and 3 Local Only runs of 30 rounds, took about 6 minutes of
-wall time here (295 s for σ ≤ 2 and Local Only, then 77 s for σ = 4; one thread, on the 2-core machine shared
-with other jobs).
+only knobs of its budget: the default, 45 private runs and 3 Local Only runs of 30 rounds, took 322 s of wall time
+(``/usr/bin/time``; one thread) on the 2-core development machine at a load average near 9 (other jobs running).
 """
 
 from __future__ import annotations
@@ -101,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
                 setting = f"sigma={sigma:g}"
                 records += [record("dp", METHODS[method], "acc", acc, seed, setting),
                             record("dp", METHODS[method], "epsilon", epsilon, seed, setting)]  # fmt: skip
+                write_results(records, args.out)  # as it goes (finished runs are also reused on a rerun)
     local = []
     for seed in range(0 if args.no_local else args.seeds):
         local.append(float(run_one("local", None, seed, args.rounds, args.out / "runs")["final"]))
         records.append(record("dp", "Local Only", "acc", local[-1], seed, "no upload"))
+        write_results(records, args.out)
     rows = []
     for sigma in args.sigmas:
         row: list = [f"{sigma:g}", f"{eps[sigma]:.3g}" if math.isfinite(eps[sigma]) else "inf"]

@@ -137,6 +137,7 @@ def make_loggers(
         else:
             extra = {"id": wandb_run_id(run_dir, resume), "resume": "allow"} if stage == "fit" else {"job_type": stage}
             logger = WandbLogger(save_dir=str(run_dir), **{"job_type": wandb.job_type, **extra}, **settings)
+        logger._wandb_init.pop("anonymous", None)  # W&B warns on every run that the setting has no effect
         try:
             logger.log_hyperparams(config)  # starts the W&B run
         except Exception as exc:  # W&B's own checks (pydantic Settings, UsageError): one line naming the option
@@ -208,15 +209,16 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             kwargs.update(distributed_strategy(trainer_cfg))
             if str(trainer_cfg.get("precision")) in ("16", "16-mixed"):
                 raise ConfigError(FP16_REFUSED)
+            check_accelerator(trainer_cfg.get("accelerator"))
             run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
             trial = bool(trainer_cfg.get("fast_dev_run"))  # writes nothing into the run dir
             problem = run_dir_problem(run_dir)
             if problem:
                 raise ConfigError(f"{problem}; fix: pick another --run_dir")
             full_config = json.loads(self.parser.dump(cfg, skip_none=False, format="json"))
-            self.ckpt_path = cfg.ckpt_path
+            self.ckpt_path, self.clear_first = cfg.ckpt_path, None
             if stage == "fit" and not trial and is_launching_process():  # DDP workers start after this check
-                self.ckpt_path = guard_run_dir(
+                self.ckpt_path, self.clear_first = plan_run_dir(
                     run_dir, cfg.ckpt_path, cfg.overwrite, trainer_cfg.get("max_steps"), full_config
                 )
             elif stage == "fit" and not is_launching_process() and cfg.ckpt_path == "last":
@@ -227,14 +229,20 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             self.run_dir = run_dir
             if not trial and trainer_cfg.get("logger") in (None, True):
                 check_wandb(cfg.wandb.mode)
+            # the loggers (W&B starts a run and writes into the run dir) are made by ``start_run`` once every
+            # check has passed: a refused command leaves no W&B run and no file behind
+            self.pending_loggers = None
             if trial:
                 kwargs["logger"] = False
             elif trainer_cfg.get("logger") in (None, True):
-                kwargs["logger"] = make_loggers(run_dir, cfg.wandb, full_config, stage, resume=bool(self.ckpt_path))
+                kwargs["logger"] = False
+                self.pending_loggers = (run_dir, cfg.wandb, full_config, stage)
             kwargs["default_root_dir"] = str(run_dir)
             callbacks = list(trainer_cfg.get("callbacks") or [])
             user_last = any(isinstance(c, ModelCheckpoint) and c.save_last for c in callbacks)
-            if trainer_cfg.get("enable_checkpointing", True) is not False and not any(
+            if trial:  # fast_dev_run writes nothing: no round checkpoints either
+                kwargs["enable_checkpointing"] = False
+            elif trainer_cfg.get("enable_checkpointing", True) is not False and not any(
                 isinstance(c, RoundCheckpoint) for c in callbacks
             ):
                 callbacks.append(
@@ -277,6 +285,36 @@ def set_tf32(enabled: bool) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = enabled  # (torch.get_float32_matmul_precision: "high" / "highest")
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """``trainer.accelerator gpu`` (or ``cuda``) on a machine where torch sees no GPU: one line with the fix (Lightning
+    says only "No supported gpu backend found!")."""
+    import torch
+
+    if str(accelerator) not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    if str(accelerator) == "gpu" and torch.backends.mps.is_available():
+        return
+    raise ConfigError(
+        f"trainer.accelerator {accelerator}: torch sees no GPU on this machine (torch.cuda.is_available() is False); "
+        "fix: --trainer.accelerator cpu, or auto (the GPU when there is one)"
+    )
+
+
+def quiet_third_party() -> None:
+    """Silence the warnings of Lightning and torch that a user cannot act on (issue 45): a resume's "Checkpoint
+    directory … exists and is not empty" (the run dir holds its own checkpoints by design), the request to pass the
+    callbacks that wrote the checkpoint (``RoundCheckpoint`` is always there; its interval may change on resume),
+    and ``torch.load``'s ``weights_only`` notices (the CLI loads checkpoints with ``weights_only=True`` itself)."""
+    import warnings
+
+    for pattern in (
+        r"Checkpoint directory .* exists and is not empty",
+        r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
+        r".*weights_only",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def distributed_strategy(trainer_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -325,22 +363,41 @@ class RunFinished(Exception):
 def guard_run_dir(
     run_dir: Path, ckpt_path: str | None, overwrite: bool, max_steps: int | None, config: dict[str, Any] | None = None
 ) -> str | None:
+    """:func:`plan_run_dir`, and the clearing it asks for done at once. Returns the checkpoint argument."""
+    ckpt, clear = plan_run_dir(run_dir, ckpt_path, overwrite, max_steps, config)
+    clear_planned(run_dir, clear)
+    return ckpt
+
+
+def clear_planned(run_dir: Path, why: str | None) -> None:
+    """Clear ``run_dir`` as :func:`plan_run_dir` decided (``why``: ``overwrite``, ``stale`` or ``None``: nothing)."""
+    from fl_lightning.loggers import clear_run_dir
+
+    if why is None:
+        return
+    clear_run_dir(run_dir)
+    if why == "stale":
+        print(f"note: {run_dir} held a run that stopped before its first checkpoint: starting it afresh")
+
+
+def plan_run_dir(
+    run_dir: Path, ckpt_path: str | None, overwrite: bool, max_steps: int | None, config: dict[str, Any] | None = None
+) -> tuple[str | None, str | None]:
     """A run dir holds one run: starting again in it needs ``--overwrite true``; resuming a finished run is a no-op;
     resuming with a config that changes results is refused (``config`` against the run's ``config.yaml``). A dir
     left by a run that stopped before its first checkpoint is no trap: it is cleared and the run starts afresh
-    (also with ``--ckpt_path last``). Returns the checkpoint argument to use (``None``: start from round 0)."""
-    from fl_lightning.loggers import clear_run_dir, run_dir_state
+    (also with ``--ckpt_path last``). Nothing is changed here: returns the checkpoint argument to use (``None``:
+    start from round 0) and whether the dir is to be cleared before the run starts (``overwrite``, ``stale``,
+    ``None``), which :func:`start_run` does once every other check has passed."""
+    from fl_lightning.loggers import run_dir_state
 
     state = run_dir_state(run_dir)
     if overwrite:
-        clear_run_dir(run_dir)
-        return None if ckpt_path == "last" else ckpt_path
+        return (None if ckpt_path == "last" else ckpt_path), ("overwrite" if state is not None else None)
     if state == "stale":
-        clear_run_dir(run_dir)
-        print(f"note: {run_dir} held a run that stopped before its first checkpoint: starting it afresh")
-        return None if ckpt_path == "last" else ckpt_path
+        return (None if ckpt_path == "last" else ckpt_path), "stale"
     if state is None:
-        return ckpt_path
+        return ckpt_path, None
     if ckpt_path is None:
         what = "an unfinished run" if state == "unfinished" else "a finished run (summary.json)"
         raise ConfigError(
@@ -353,7 +410,7 @@ def guard_run_dir(
         summary = json.loads((run_dir / "summary.json").read_text())
         if not max_steps or max_steps < 0 or summary.get("rounds", 0) >= max_steps or summary.get("stopped_early"):
             raise RunFinished(run_dir, summary)
-    return ckpt_path
+    return ckpt_path, None
 
 
 def config_differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
@@ -458,6 +515,9 @@ class _DropNoise:
         "GPU available: False",
         "`Trainer(val_check_interval=1)` was configured",
         "Seed set to",
+        "`Trainer.fit` stopped:",  # the run's own table and "run: DIR" say that it ended
+        "Restored all states from the checkpoint",  # "Restoring states from … PATH" already names it
+        "Loaded model weights from the checkpoint",
     )
 
     def filter(self, record: Any) -> bool:
@@ -534,6 +594,7 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
     from fl_lightning.engine.module import FederatedModule
 
     quiet_console()
+    quiet_third_party()
     cli_class = _make_cli_class(stage, args)
     try:
         cli = cli_class(
@@ -566,6 +627,8 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
         ckpt = before_the_end(ckpt, cli.run_dir, cli.trainer.max_steps)
     if ckpt is not None:
         check_checkpoint_fits(cli.model, cli.datamodule, ckpt)
+    preflight(cli)
+    start_run(cli, resume=bool(cli.ckpt_path))
     try:
         if stage == "fit":
             if before_fit is not None:
@@ -574,6 +637,26 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
         return _evaluate(cli, stage, ckpt)
     except MisconfigurationException as exc:
         raise ConfigError(one_line(exc)) from None
+
+
+def preflight(cli: Any) -> None:
+    """The checks that the module's ``setup`` would make at the start of fit/validate/test, made before anything
+    is written: the algorithm against the network and the data, DP's refusals (``model.privacy`` needs uniform
+    aggregation, parameters only, …) and its ``target_epsilon`` calibration for the planned rounds."""
+    module, datamodule = cli.model, cli.datamodule
+    module.attach_data(datamodule.federated)  # idempotent: fit's setup binds the same data again
+    if module.privacy is not None:
+        module.privacy.setup(cli.trainer, datamodule)
+
+
+def start_run(cli: Any, resume: bool) -> None:
+    """Every check has passed: clear the run dir where ``--overwrite`` (or a stale run) asks for it, then make the
+    loggers (the CSV log; W&B starts its run and writes ``wandb_id``) and hand them to the trainer."""
+    clear_planned(cli.run_dir, getattr(cli, "clear_first", None))
+    pending = getattr(cli, "pending_loggers", None)
+    if pending is not None:
+        run_dir, wandb, config, stage = pending
+        cli.trainer.loggers = make_loggers(run_dir, wandb, config, stage, resume=resume and stage == "fit")
 
 
 def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:

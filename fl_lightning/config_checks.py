@@ -18,6 +18,7 @@ line or the config file and line), the value given, what is allowed and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import re
@@ -168,6 +169,11 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
         raise refuse("wandb.histogram_every", wandb["histogram_every"], "must be an integer ≥ 0 (0: never)", args)
     model = config.get("model")
     if isinstance(model, dict):
+        for name, allowed in (("momentum", "must be ≥ 0"), ("weight_decay", "must be ≥ 0"),
+                              ("eval_last", "must be an integer ≥ 0 (the last rounds evaluated every round)")):
+            value = model.get(name)
+            if _is_number(value) and value < 0:  # one key, its value and where it was set
+                raise refuse(f"model.{name}", value, allowed, args)
         _walk(model, "model", "fl_lightning.engine.module.FederatedModule", args)
     _walk(config.get("data"), "data", None, args)
 
@@ -184,6 +190,10 @@ def run_dir_problem(run_dir: Path) -> str | None:
             if not os.access(folder, os.W_OK | os.X_OK):
                 return f"--run_dir {run_dir}: {folder} is not writable (permission denied or a read-only file system)"
             break
+    if run_dir.is_dir() and ((run_dir / "commands.sh").is_file() or next(run_dir.glob("*/**/run.json"), None)):
+        return (f"--run_dir {run_dir} holds an experiment's runs in its subfolders (a run written there would hide "
+                "them from compare)")
+    created = [f for f in (run_dir, *run_dir.parents) if not f.exists()]  # made by the probe, removed after it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -191,4 +201,8 @@ def run_dir_problem(run_dir: Path) -> str | None:
         probe.unlink()
     except OSError as exc:
         return f"--run_dir {run_dir} cannot be written ({exc.strerror or exc})"
+    finally:  # a refused command leaves no empty folder behind: the run creates its dir when it starts
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return None

@@ -128,10 +128,18 @@ def one_line(exc: BaseException) -> str:
     key_match = re.search(r'Parser key "([^"]+)"', text)
     key = key_match.group(1) if key_match else ""
     unknown = re.search(r"has no attribute '([^']+)'|No module named '([^']+)'|import path string: (\S+)", text)
-    if unknown:
-        name = re.search(r"class_path '([^']+)'", text)
-        shown = name.group(1) if name else next(g for g in unknown.groups() if g)
+    if unknown:  # the innermost class path before the failure, and the nested keys down to it (data.partition)
+        before = text[: unknown.start()]
+        names = re.findall(r"class_path '([^']+)'", before)
+        shown = names[-1] if names else next(g for g in unknown.groups() if g)
+        nested = [p for k in re.findall(r'Parser key "([^"]+)"', before) for p in k.split(".") if p != "init_args"]
+        key = ".".join(nested) or key
         return f"{key or 'config'}: unknown class '{shown}'{_known(key)}"
+    choice = re.search(r"Expected a typing\.Literal\[([^\]]*)\]\. Got value: ([^\n]*)", text)
+    if choice and key:
+        allowed = ", ".join(v.strip().strip("'\"") for v in choice.group(1).split(","))
+        return (f"{key}: value {choice.group(2).strip()!r} given, expected one of {allowed}; fix: --{key} "
+                f"{allowed.split(', ')[0]} (or {key} in the config)")
     group = re.search(r"Group '([^']+)' does not accept option '([^']+)'", text)
     option = re.search(r"Option '([^']+)' is not accepted", text)
     if group or option:
@@ -177,6 +185,11 @@ KNOWN = {"model.algorithm": "fl_lightning.algorithms", "model.network": "fl_ligh
 def _known(key: str) -> str:
     import importlib
 
+    if key.endswith(".partition"):  # a partition class, not a DataModule
+        partition = importlib.import_module("datamodules.partition")
+        names = [n for n, c in vars(partition).items() if isinstance(c, type) and issubclass(c, partition.Partitioner)
+                 and c is not partition.Partitioner and not n.startswith("_")]  # fmt: skip
+        return f" (known partitions: {', '.join(sorted(names))})"
     for prefix, module in KNOWN.items():
         if key.startswith(prefix):
             mod = importlib.import_module(module)
@@ -191,6 +204,10 @@ def check_config_files(args: list[str]) -> None:
     paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
     paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     for path in paths:
+        if Path(path).is_dir():
+            inside = sorted(p.name for p in Path(path).glob("*.yaml"))[:4]
+            hint = f" (it holds {', '.join(inside)}{', …' if len(inside) == 4 else ''})" if inside else ""
+            raise ConfigError(f"--config {path} is a folder, not a config file{hint}; fix: --config FOLDER/NAME.yaml")
         if not Path(path).is_file():
             raise ConfigError(f"config file {path} does not exist")
         data = load_yaml(path)

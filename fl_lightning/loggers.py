@@ -203,10 +203,11 @@ def client_histogram_callback(every: int):
 
 
 def write_clients_csv(path: Path, rows: list[dict[str, float]]) -> None:
+    """One line per client; a figure the client does not have (NaN: no test rows) is an empty cell."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["client", "samples", "accuracy", "loss"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({k: "" if isinstance(v, float) and v != v else v for k, v in row.items()} for row in rows)
 
 
 def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, float]] | None) -> None:

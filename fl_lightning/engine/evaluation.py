@@ -122,14 +122,16 @@ class ClientEvaluation:
         return {"acc_std": s["std"], "acc_worst10": s["worst10"], "acc_min": s["worst"]}
 
     def rows(self) -> list[dict[str, float]]:
-        """One row per client: ``client, samples, accuracy, loss`` (``clients.csv``, the W&B table)."""
+        """One row per client: ``client, samples, accuracy, loss`` (``clients.csv``, the W&B table). A client with
+        no test rows has no accuracy and no loss (NaN; an empty cell in ``clients.csv``), not a failing 0 %."""
         samples = self.samples_per_client
+        nan = float("nan")
         return [
             {
                 "client": c,
                 "samples": int(samples[c]) if samples is not None else -1,
-                "accuracy": float(self.acc_per_client[c]),
-                "loss": float(self.loss_per_client[c]),
+                "accuracy": float(self.acc_per_client[c]) if samples is None or samples[c] > 0 else nan,
+                "loss": float(self.loss_per_client[c]) if samples is None or samples[c] > 0 else nan,
             }
             for c in range(self.acc_per_client.numel())
         ]

@@ -42,8 +42,9 @@ def check_settings(
         raise ConfigError(f"model.straggler_budget is a fraction in (0, 1], got {straggler_budget}")
     if eval_clients is not None and eval_clients < 1:
         raise ConfigError(f"model.eval_clients must be ≥ 1 (or null: every client), got {eval_clients}")
-    if eval_last < 0 or momentum < 0 or weight_decay < 0:
-        raise ConfigError("model.eval_last, model.momentum and model.weight_decay must be ≥ 0")
+    for name, value in {"eval_last": eval_last, "momentum": momentum, "weight_decay": weight_decay}.items():
+        if value < 0:
+            raise ConfigError(f"model.{name} must be ≥ 0, got {value}")
 
 
 def check_algorithm_fits(algorithm: Algorithm, net: nn.Module, glob: Params, aggregation: str) -> None:

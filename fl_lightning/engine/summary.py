@@ -53,6 +53,10 @@ def run_summary(module: FinishedRun) -> dict[str, Any]:
         "upload_bytes": module.upload_bytes,
         "metric": key.split("/")[1].replace("_mean", ""),
     }
+    if not module.history:  # evaluation off (trainer.limit_val_batches 0): no figure, rather than NaN or a fake 0
+        for name in ("final", "last10", "best"):
+            del summary[name]
+        summary["evaluations"] = 0
     if module.privacy is not None:
         summary.update(module.privacy.summary(module.rounds_trained, final=True))
     if module.fed.num_classes is not None:

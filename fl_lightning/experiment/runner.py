@@ -617,9 +617,14 @@ def run_experiment(
                 or choices[experiment.tune_key(r.points)].point is not None]  # fmt: skip
         resolved = validate_runs(experiment, runs)
         max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
-    (experiment.out_dir / "commands.sh").write_text(
-        f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in tune_specs + runs) + "\n"
-    )
+    # a run refused because its dir holds another run's files never runs: it is not listed, and a rerun refused
+    # whole leaves commands.sh as it was
+    listed = [r for r in tune_specs + runs
+              if overwrite or run_state(r, max_steps.get(str(r.run_dir))) != "mismatch"]  # fmt: skip
+    if listed:
+        (experiment.out_dir / "commands.sh").write_text(
+            f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in listed) + "\n"
+        )
     out.flush()
     outcomes = execute(
         experiment, runs, max_steps, jobs=jobs, overwrite=overwrite, configs=resolved, batch_runs=batch_runs

@@ -306,6 +306,31 @@ class Experiment:
 # ---- loading and validation ----------------------------------------------------------------------------------
 
 
+#: the figures of a run's summary.json (``fl_lightning/engine/summary.py``, the DP engine's, the "+FT" and new-client
+#: evaluations) and the prefixes of those the data callbacks add (``mr_``: mixed regression, ``mf_``: low-rank)
+SUMMARY_FIGURES = ("final", "last10", "best", "rounds", "wall_s", "upload_bytes", "classes", "top_class_share",
+                   "label_top_class_share", "evaluations", "epsilon", "delta", "noise_multiplier", "clip", "dist_B",
+                   "final_ft", "new_clients_acc", "new_clients_mse",
+                   *(f"{base}_{s}" for base in ("final", "final_ft") for s in ("std", "worst10", "min", "max")))
+SUMMARY_PREFIXES = ("mr_", "mf_")
+
+
+def figure_problem(name: str) -> str | None:
+    """Why ``name`` is no ``summary.json`` figure (a typo would give an empty column or no choice), or ``None``."""
+    if name in SUMMARY_FIGURES or name.startswith(SUMMARY_PREFIXES):
+        return None
+    import difflib
+
+    close = difflib.get_close_matches(name, SUMMARY_FIGURES, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{name!r} is not a summary.json figure; {hint}known: {', '.join(SUMMARY_FIGURES[:8])}, … "
+            f"(and {'/'.join(SUMMARY_PREFIXES)}* of the data callbacks)")
+
+
+#: the longest experiment name (a folder name and W&B's group: both refuse far longer ones, not in one line)
+MAX_NAME = 100
+
+
 def load_experiment(path: str | Path, runs_dir: str | Path | None = None) -> Experiment:
     """Read and validate an experiment file; every problem is an :class:`ExperimentError` naming file and key."""
     path = Path(path)
@@ -334,6 +359,9 @@ def parse_experiment(
     name = data.get("name")
     if not isinstance(name, str) or not LABEL.match(name):
         raise fail("name", f"expected a name of letters, digits and _.+=- (got {name!r})")
+    if len(name) > MAX_NAME:  # it names the folder runs/<name>/ and the W&B group (at most 128 characters)
+        raise fail("name", f"at most {MAX_NAME} characters (it names the folder runs/<name>/ and the W&B group), "
+                           f"got {len(name)}: {name[:20]}…; fix: a shorter name")  # fmt: skip
 
     def config_path(key: str, value: Any) -> str:
         if not isinstance(value, str) or not value:
@@ -461,6 +489,13 @@ def parse_experiment(
                 report[k] = [report[k]]
             if not isinstance(report[k], list) or not all(isinstance(v, str) for v in report[k]):
                 raise fail(f"report.{k}", "expected a list of names")
+    for name in report.get("metrics", []):
+        problem = figure_problem(name)
+        if problem:
+            raise fail("report.metrics", problem)
+    curve = report.get("curve")
+    if curve is not None and (not isinstance(curve, str) or "/" not in curve):
+        raise fail("report.curve", f"expected a metrics.csv column such as val/acc_mean or val/mse_mean, got {curve!r}")
     if "by" in report:
         missing = [b for b in report["by"] if b not in axes and b != "experiment"]
         if missing:
@@ -521,6 +556,9 @@ def parse_tune(value: Any, defaults: Mapping[str, Any], key: str, fail: Any) -> 
     metric = merged.get("metric")
     if not isinstance(metric, str) or not metric:
         raise fail(f"{key}.metric", f"expected a summary.json figure such as last10, got {metric!r}")
+    problem = figure_problem(metric)
+    if problem:  # found here, not after the tuning runs have trained
+        raise fail(f"{key}.metric", problem)
     if merged.get("mode") not in ("max", "min"):
         raise fail(f"{key}.mode", f"expected max or min, got {merged.get('mode')!r}")
     vf = merged.get("val_fraction")

@@ -101,3 +101,22 @@ def test_plot_cpu_writes_nothing_without_a_measurement(tmp_path) -> None:
     design = [record("run_axis", "design", "design_steps_per_run", 3.0, setting="design,CIFAR-10")]
     assert batched_runs.plot_cpu(design, tmp_path / "c.png") is None
     assert not (tmp_path / "c.png").exists()
+
+
+def test_results_json_is_written_as_the_workloads_go(tmp_path, monkeypatch) -> None:
+    """A workload that fails late keeps the records of the workloads measured before it in results.json."""
+    import json
+
+    import pytest
+
+    def measured(args, records, rows) -> None:
+        records.append(record("run_axis", "batched x2", "wall_s", 1.5, setting="first"))
+
+    def failing(args, records, rows) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(batched_runs, "WORKLOADS", {"measured": measured, "failing": failing})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batched_runs.main(["--out", str(tmp_path), "--workloads", "measured", "failing"])
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["method"], r["metric"], r["value"]) for r in records] == [("batched x2", "wall_s", 1.5)]

@@ -209,6 +209,21 @@ def test_an_empty_test_split_is_refused_unless_evaluation_is_off(tmp_path, capsy
     args = ["--data.init_args.test_fraction", "0"]
     refused(capsys, train(tmp_path / "run", *args), "test split is empty", "test_fraction=0", "limit_val_batches 0")
     assert train(tmp_path / "off", *args, "--trainer.limit_val_batches", "0", steps="1") == 0  # asked for: works
+    capsys.readouterr()
+
+
+def test_a_run_without_evaluation_reports_no_accuracy_rather_than_nan_or_zero(tmp_path, capsys):
+    """``--trainer.limit_val_batches 0``: summary.json is strict JSON without final/last10/best (it held a bare
+    ``NaN`` and a fake ``last10 0.0``), says no evaluation ran, and keeps the figures that need none."""
+    assert train(tmp_path / "run", "--trainer.limit_val_batches", "0") == 0
+    assert "nan" not in capsys.readouterr().out.lower()
+
+    def strict(token: str) -> float:
+        raise AssertionError(f"summary.json holds {token}")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=strict)
+    assert not {"final", "last10", "best"} & set(summary)
+    assert summary["evaluations"] == 0 and summary["rounds"] == 2 and summary["upload_bytes"] > 0
 
 
 # ---- the environment ----------------------------------------------------------------------------------------------
@@ -424,6 +439,74 @@ def test_a_finished_run_is_byte_identical_after_every_refused_command(finished, 
         code = train(finished, "--checkpoint_every", "1", *args)
         refused(capsys, code)
         assert snapshot(finished) == before, args
+
+
+# ---- a refused command creates and changes nothing, anywhere (issue 45) -------------------------------------------
+
+DP = str(ROOT / "configs/dp/privacy.yaml")
+#: refusals found only after the data, the checkpoint, the trainer or DP's accountant are built: each was refused
+#: after W&B had started a run (and written into the run dir) before issue 45. name -> (subcommand, args, in the line)
+LATE_REFUSALS = {
+    "data cannot be split": ((), ["--data.init_args.num_clients", "200",
+                                  "--data.init_args.partition.init_args.classes_per_client", "10"], "too few to fill"),
+    "GPU asked on a CPU": ((), ["--trainer.accelerator", "gpu"], "trainer.accelerator gpu"),
+    "DP needs uniform aggregation": ((), ["--config", DP, "--model.aggregation", "num_samples"], "uniform"),
+    "unreachable target_epsilon": ((), ["--config", DP, "--model.privacy.target_epsilon", "1e-6"], "cannot be met"),
+    "checkpoint of another population": ((), ["--ckpt_path", "FINISHED/checkpoints/last.ckpt",
+                                              "--data.init_args.num_clients", "10"], "20 clients"),
+    "validate in the finished run's dir, other population": (
+        ("validate",), ["--run_dir", "FINISHED", "--ckpt_path", "last", "--data.init_args.num_clients", "10"],
+        "20 clients"),
+    "test in the finished run's dir, data cannot be split": (
+        ("test",), ["--run_dir", "FINISHED", "--ckpt_path", "last", "--data.init_args.num_clients", "200",
+                    "--data.init_args.partition.init_args.classes_per_client", "10"], "too few to fill"),
+    "overwrite the finished run, GPU asked on a CPU": (
+        (), ["--run_dir", "FINISHED", "--overwrite", "true", "--trainer.accelerator", "gpu"], "accelerator"),
+}  # fmt: skip
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file (its bytes' hash) and folder under ``folder``."""
+    import hashlib
+
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        key = str(path.relative_to(folder))
+        out[key] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
+    return out
+
+
+@pytest.mark.parametrize("case", list(LATE_REFUSALS))
+def test_a_refusal_leaves_every_file_tree_byte_identical(case, finished, tmp_path, capsys, monkeypatch):
+    """With W&B offline (what a user without an account gets): no W&B run, no run dir, no ``wandb_id``, no
+    ``config.yaml``, nothing cleared by ``--overwrite``; in the working folder, in a new run dir and in a finished
+    run's dir."""
+    if case.startswith(("GPU", "overwrite")) and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    stage, args, expected = LATE_REFUSALS[case]
+    args = [a.replace("FINISHED", str(finished)) for a in args]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    before = (tree(tmp_path), tree(finished.parent))
+    where = [] if "--run_dir" in args else ["--run_dir", str(tmp_path / "new")]
+    code = train_here([*stage, "--config", QUICK, "--trainer.max_steps", "2", *FAST, *where, *args])
+    refused(capsys, code, expected)
+    assert (tree(tmp_path), tree(finished.parent)) == before
+
+
+def test_fast_dev_run_writes_nothing_and_a_real_run_follows_in_its_dir(tmp_path, capsys, monkeypatch):
+    """``--trainer.fast_dev_run true`` prints "nothing written" and writes nothing (no ``checkpoints/last.ckpt`` that
+    the next real run would be refused over, no W&B run); the real run then starts from round 0 in that dir."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert train(tmp_path / "run", "--trainer.fast_dev_run", "true") == 0
+    assert "fast_dev_run: nothing written" in capsys.readouterr().out
+    assert tree(tmp_path) == {}
+    assert train(tmp_path / "run", "--wandb.mode", "disabled") == 0
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert [h["round"] for h in history] == [0, 1] and (tmp_path / "run" / "config.yaml").is_file()
 
 
 # ---- one W&B run per run, no round logged twice -----------------------------------------------------------------

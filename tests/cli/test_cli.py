@@ -104,7 +104,7 @@ BAD_INPUTS = {
     "negative lr": (["--model.lr", "-0.1"], "lr must be positive"),
     "personal prefix matches nothing": (["--model.algorithm.init_args.personal", "[classifier.]"], "matches no"),
     "unknown key": (["--model.learning_rate", "0.1"], "learning_rate"),
-    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
+    "missing resume checkpoint": (["--ckpt_path", "last"], "no checkpoint"),  # in the test's fresh run dir
 }
 
 
@@ -470,8 +470,18 @@ CASES: dict[str, tuple] = {
     "missing config file": (lambda tmp: ["--config", str(tmp / "nope.yaml")], "nope.yaml"),
     "yaml syntax error": (lambda tmp: ["--config", yaml_file(tmp, "model: [unclosed\n")], "bad.yaml"),
     "yaml wrong type": (lambda tmp: ["--config", yaml_file(tmp, "model:\n  lr: [1, 2]\n")], "model.lr"),
-    "missing resume checkpoint": (["--ckpt_path", "last", "--run_dir", "/nonexistent/run"], "no checkpoint"),
-    "resume file missing": (["--ckpt_path", "/nonexistent/x.ckpt"], "does not exist"),
+    "missing resume checkpoint": (["--ckpt_path", "last"], "no checkpoint"),  # in the test's fresh run dir
+    "resume file missing": (lambda tmp: ["--ckpt_path", str(tmp / "nowhere" / "x.ckpt")], "does not exist"),
+    # issue 45: a choice key names the value and the choices, a range error its one key, value and where it was set
+    "choice key": (["--model.aggregation", "foo"],
+                   "model.aggregation: value 'foo' given, expected one of uniform, num_samples; fix:"),
+    "executor choice": (["--model.executor", "bar"], "expected one of auto, sequential, vectorized"),
+    "negative momentum, named alone": (["--model.momentum", "-1"],
+                                       "model.momentum must be ≥ 0, got -1.0 (--model.momentum)"),
+    "negative eval_last": (["--model.eval_last", "-2"], "model.eval_last must be an integer ≥ 0"),
+    "unknown partition class": (["--data.init_args.partition", "datamodules.FooPartition"],
+                                "data.partition: unknown class 'datamodules.FooPartition' (known partitions:"),
+    "config is a folder": (lambda tmp: ["--config", str(tmp)], "is a folder, not a config file"),
     "corrupt checkpoint file": (
         lambda tmp: ["--ckpt_path", yaml_file(tmp, "not a zip", "broken.ckpt")],
         "truncated or corrupt",
@@ -506,3 +516,33 @@ def test_malformed_input_stops_with_one_line(case, tmp_path, capsys):
 
 def test_there_are_at_least_30_cases():
     assert len(CASES) >= 30
+
+
+#: third-party lines a user cannot act on (issue 45): none may reach the console of a run, a resume or a test
+NOISE = ("anonymous setting", "Trainer.fit` stopped", "exists and is not empty", "weights_only", "Be aware that",
+         "Restored all states", "Loaded model weights", "Warning", "warn(")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_console_of_a_run_a_resume_and_a_test_shows_the_run_only(tmp_path):
+    """With W&B offline as under ``make`` (``WANDB_SILENT``) and Python's warnings on (no ``PYTHONWARNINGS``)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    run_dir = tmp_path / "run"
+
+    def command(*args: str) -> str:
+        out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, "--run_dir", str(run_dir)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stderr
+
+    quick = [*QUICK, "--checkpoint_every", "1", "--model.algorithm.init_args.head_epochs", "1"]
+    consoles = [
+        command(*quick, "--trainer.max_steps", "2"),
+        command(*quick, "--trainer.max_steps", "3", "--ckpt_path", "last", "--checkpoint_every", "2"),
+        command("test", *quick, "--ckpt_path", str(run_dir / "checkpoints" / "round00002.ckpt")),
+    ]
+    for stderr in consoles:
+        noise = [line for line in stderr.splitlines() if any(n in line for n in NOISE)]
+        assert noise == [], noise
+    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints'}" in consoles[1]

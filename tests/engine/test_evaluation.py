@@ -485,6 +485,21 @@ def test_from_scores_keeps_the_samples_per_client_when_given() -> None:
     assert (result.acc_mean, result.acc_weighted, result.loss_mean) == (0.6, 0.55, 1.5)
 
 
+def test_a_client_without_test_rows_has_no_accuracy_not_zero(tmp_path) -> None:
+    """clients.csv: the client with 0 test samples gets empty cells (read back without the keys), not a 0 % that
+    every pooled per-client plot would show as a failing client; the others keep their numbers."""
+    from fl_lightning.experiment.collect import read_clients
+    from fl_lightning.loggers import write_clients_csv
+
+    rows = ClientEvaluation.from_scores(_scores(True), 6).rows()
+    assert [r["accuracy"] for r in rows[:3]] == ACC[:3] and [r["loss"] for r in rows[:3]] == LOSS[:3]
+    assert math.isnan(rows[3]["accuracy"]) and math.isnan(rows[3]["loss"])
+    write_clients_csv(tmp_path / "clients.csv", rows)
+    assert (tmp_path / "clients.csv").read_text().splitlines()[-1] == "3,0,,"
+    back = read_clients(tmp_path / "clients.csv")
+    assert back[3] == {"client": 3.0, "samples": 0.0} and back[0]["accuracy"] == ACC[0]
+
+
 def test_from_scores_without_samples_leaves_them_unknown() -> None:
     result = ClientEvaluation.from_scores(_scores(False), 2)
     assert result.samples_per_client is None

@@ -118,6 +118,10 @@ BAD = {
     "override of the wrong type": ({"set": {"model.lr": "fast"}}, "model.lr"),
     "unknown wandb key": ({"wandb": {"group": "g"}}, "wandb.group: unknown key"),
     "bad axis value": ({"axes": {"method": {"fedavg": 3}}}, "axes.method.fedavg: expected a config path"),
+    "300-character name": ({"name": "x" * 300}, "name: at most 100 characters"),  # was a chained traceback
+    "report metric typo": ({"report": {"metrics": ["last10", "final_worst"]}},
+                           "report.metrics: 'final_worst' is not a summary.json figure; did you mean final_worst10?"),
+    "report curve without a key": ({"report": {"curve": "acc_mean"}}, "report.curve: expected a metrics.csv column"),
 }
 
 
@@ -198,6 +202,32 @@ def test_run_then_rerun_skips_and_compare_matches_the_metrics_csv(tiny_grid, tmp
                                                                 ("fedrep", 1)]  # fmt: skip
     for r in per_run:  # fractions in results.json
         assert r["value"] == pytest.approx(last10_from_csv(dirs[r["method"]][r["seed"]]), abs=1e-6)
+
+
+def test_train_py_refuses_an_experiments_folder_as_its_run_dir(tiny_grid, capsys):
+    """A run written into runs/<name>/ would make compare take that folder for one run and skip the grid's runs."""
+    from tests.helpers.training import train_here
+
+    _, runs, _, _ = tiny_grid
+    before = sorted(str(p) for p in runs.rglob("*"))
+    for folder in (runs / "tiny", runs / "tiny" / "fedavg"):
+        code = train_here(["--config", f"{DIGITS}/base.yaml", "--config", f"{DIGITS}/fedavg.yaml", "--run_dir",
+                           str(folder), "--trainer.max_steps", "1", "--wandb.mode", "disabled"])  # fmt: skip
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and "holds an experiment's runs in its subfolders" in lines[0], lines
+    assert sorted(str(p) for p in runs.rglob("*")) == before
+
+
+def test_a_refused_rerun_leaves_commands_sh_as_it_was(tmp_path, capsys):
+    """Rerunning a finished grid with another learning rate is refused run by run (their dirs hold runs of other
+    arguments): commands.sh keeps the commands that ran, not the ones that never did."""
+    path = write_experiment(tmp_path, tiny(rounds=1, seeds=[0]))
+    runs = tmp_path / "runs"
+    assert main(["run", str(path), "--runs-dir", str(runs)]) == 0
+    commands = (runs / "tiny" / "commands.sh").read_text()
+    assert main(["run", str(path), "--runs-dir", str(runs), "--set", "model.lr=0.05"]) == 1
+    assert "holds a run with other training arguments" in capsys.readouterr().err
+    assert (runs / "tiny" / "commands.sh").read_text() == commands and "model.lr=0.05" not in commands
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, capsys):

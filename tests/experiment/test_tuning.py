@@ -137,6 +137,7 @@ def test_winner_is_the_best_validation_mean_and_tuning_never_reads_test(tmp_path
     [
         ({"tune": {"seeds": [0, 1]}}, "axes.seed: seed 0 is also a tuning seed"),
         ({"tune": {"budget": "fair"}}, "tune.budget: expected equal or free"),
+        ({"tune": {"metric": "last_10"}}, "tune.metric: 'last_10' is not a summary.json figure; did you mean last10?"),
         ({"tune": {"grid": {"model.lr": [0.1]}}}, "tune.grid: unknown key at the top level"),
         ({"method_tune": {"grid": {"model.lr": []}}}, "axes.method.fedavg.tune.grid.model.lr: expected a non-empty"),
         ({"method_tune": {"grid": {"model.lr": [0.1, 0.1]}}}, "a value is given twice"),

@@ -1,0 +1,54 @@
+"""``make bench`` (``python -m benchmarks.bench``): every default workload at its smallest size, and a failure late in
+a run keeps what the earlier workloads measured in ``results.json``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench
+
+TINY = ["--device", "cpu", "--quick", "--clients", "3", "--samples", "4", "--rounds", "1"]
+
+
+@pytest.mark.slow
+def test_every_default_workload_of_make_bench_runs_at_its_smallest_size(tmp_path, capsys):
+    """What ``make bench`` runs first (its second line, ``benchmarks.scale``, is run by tests/benchmarks/test_scale.py):
+    every workload of ``DEFAULT_WORKLOADS``, ``run_axis`` through ``benchmarks.batched_runs`` (one seed of its
+    ``digits_fedrep`` workload), each leaving its records."""
+    run_axis = "--workloads digits_fedrep --seeds 1"
+    assert bench.main([*TINY, "--out", str(tmp_path), "--run_axis_args", run_axis]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == f"results: {tmp_path / 'results.json'}"
+    records = json.loads((tmp_path / "results.json").read_text())
+    settings = {r["setting"].split(",")[0] for r in records}
+    expected = set(bench.DEFAULT_WORKLOADS) - {"run_axis", "scale"} | {"scale_100", "scale_2000"}
+    assert expected <= settings, sorted(settings)
+    assert all(r["value"] == r["value"] for r in records if r["metric"] == "train_s_per_round")  # no NaN timing
+    batched = json.loads((tmp_path / "run_axis" / "results.json").read_text())
+    assert {r["method"] for r in batched if r["metric"] == "wall_s"} == {"sequential x1", "vectorized x1", "batched x1"}
+    assert (tmp_path / "round_times.png").stat().st_size > 0
+
+
+def test_a_failing_workload_keeps_the_records_measured_before_it(tmp_path, monkeypatch, capsys):
+    def boom(_: bench.Bench) -> None:
+        raise RuntimeError("the machine ran out of something")
+
+    monkeypatch.setitem(bench.WORKLOADS, "boom", boom)
+    with pytest.raises(RuntimeError, match="ran out"):
+        bench.main([*TINY, "--out", str(tmp_path), "--workloads", "conv_clients", "boom"])
+    records = json.loads((tmp_path / "results.json").read_text())
+    assert {r["method"] for r in records if r["metric"] == "train_s_per_round"} == {"loop", "vmap"}
+    assert all(r["setting"].startswith("conv_clients,") for r in records)
+    assert "workload boom failed; results.json keeps the" in capsys.readouterr().out
+
+
+def test_the_run_axis_workload_imports_the_batched_runs_benchmark(tmp_path, monkeypatch):
+    """The workload behind ``make bench``'s last table calls ``benchmarks.batched_runs.main`` with its options."""
+    from benchmarks import batched_runs
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(batched_runs, "main", lambda argv: seen.append(argv) or 0)
+    assert bench.main([*TINY, "--out", str(tmp_path), "--workloads", "run_axis", "--run_axis_args", "--seeds 2"]) == 0
+    assert seen == [["--out", str(tmp_path / "run_axis"), "--quick", "--seeds", "2"]]

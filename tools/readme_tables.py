@@ -1,0 +1,126 @@
+"""The README's generated tables, rendered from what the commands wrote, and the check that they still agree.
+
+A generated block of ``README.md`` sits between ``<!-- generated: NAME -->`` and ``<!-- /generated -->``; its text is
+rendered from a file that a command wrote and that is kept under ``docs/measured/``:
+
+* ``quickstart``: the result table that ``make train`` prints, from its ``runs/quickstart/summary.json``
+  (copied to ``docs/measured/quickstart_summary.json``), rendered by ``fl_lightning.cli.format_table`` as train.py does;
+* ``dp``: the accuracy-against-ε table of ``python -m experiments dp``, from its ``results/dp/results.json`` (copied
+  to ``docs/measured/dp_results.json``): mean ± population std over seeds, in %, per σ, as the command prints it.
+
+    python tools/readme_tables.py --check          # exit 1 naming each block that differs from its source
+    python tools/readme_tables.py --write          # rewrite the blocks from the sources
+    python tools/readme_tables.py --copy quickstart runs/quickstart/summary.json   # a new measurement; then --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # python tools/readme_tables.py: this checkout's fl_lightning
+    sys.path.insert(0, str(ROOT))
+README = ROOT / "README.md"
+SOURCES = {"quickstart": ROOT / "docs/measured/quickstart_summary.json", "dp": ROOT / "docs/measured/dp_results.json"}
+BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- /generated -->)", re.S)
+
+#: the DP table's columns: the method's name in results.json -> its header
+DP_COLUMNS = {
+    "FedAvg": "FedAvg (global model)",
+    "FedRep": "FedRep (body private, head local)",
+    "Ditto": "Ditto (global private, personal local)",
+}
+
+
+def quickstart(summary: dict[str, Any]) -> str:
+    """``make train``'s result table and its last line, as printed (``fl_lightning.cli._fit``)."""
+    from fl_lightning.cli import format_table
+
+    table = "\n".join(line.rstrip() for line in format_table([summary]).splitlines())  # less the cells' padding
+    return "```\n" + table + "\nrun: runs/quickstart\n```\n"
+
+
+def _percent(values: list[float]) -> str:
+    return f"{100 * statistics.fmean(values):.1f} ± {100 * statistics.pstdev(values):.1f}"
+
+
+def dp(records: list[dict[str, Any]]) -> str:
+    """The table of ``python -m experiments dp`` (its printed one, as markdown) and its Local Only line."""
+    acc: dict[str, dict[float, list[float]]] = {}
+    eps: dict[float, float] = {}
+    local = []
+    for r in records:
+        if r["method"] == "Local Only":
+            local.append(r["value"])
+            continue
+        sigma = float(r["setting"].removeprefix("sigma="))
+        if r["metric"] == "acc":
+            acc.setdefault(r["method"], {}).setdefault(sigma, []).append(r["value"])
+        elif r["metric"] == "epsilon":
+            eps[sigma] = r["value"]
+    methods = [m for m in DP_COLUMNS if m in acc] + sorted(set(acc) - set(DP_COLUMNS))
+    lines = ["| σ | ε | " + " | ".join(DP_COLUMNS.get(m, m) for m in methods) + " |",
+             "|---|---|" + "---|" * len(methods)]  # fmt: skip
+    for sigma in sorted(eps):
+        shown = f"{eps[sigma]:.3g}" if math.isfinite(eps[sigma]) else "∞"
+        lines.append(f"| {sigma:g} | {shown} | " + " | ".join(_percent(acc[m][sigma]) for m in methods) + " |")
+    text = "\n".join(lines) + "\n"
+    if local:
+        text += f"\nLocal Only (nothing uploaded, ε = 0), same rounds and seeds: {_percent(local)}.\n"
+    return text
+
+
+RENDER: dict[str, Callable[[Any], str]] = {"quickstart": quickstart, "dp": dp}
+
+
+def render(name: str, source: Path | None = None) -> str:
+    return RENDER[name](json.loads((source or SOURCES[name]).read_text()))
+
+
+def differences(text: str) -> list[str]:
+    """The names of the README's generated blocks whose text is not what their source renders."""
+    return [m.group(2) for m in BLOCK.finditer(text) if m.group(3) != render(m.group(2))]
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/readme_tables.py", description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--check", action="store_true", help="exit 1 when a block differs from its source")
+    group.add_argument("--write", action="store_true", help="rewrite the blocks from their sources")
+    group.add_argument("--copy", nargs=2, metavar=("NAME", "FILE"), help="keep FILE as the source of block NAME")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    if args.copy:
+        name, path = args.copy
+        if name not in SOURCES:
+            parser.error(f"unknown block {name!r}; pick from {', '.join(SOURCES)}")
+        SOURCES[name].parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, SOURCES[name])
+        print(f"{path} -> {SOURCES[name].relative_to(ROOT)}; now: python tools/readme_tables.py --write")
+        return 0
+    text = args.readme.read_text()
+    if args.write:
+        args.readme.write_text(rewrite(text))
+        return 0
+    stale = differences(text)
+    for name in stale:
+        print(f"error: README block '{name}' differs from {SOURCES[name].relative_to(ROOT)}; fix: python "
+              "tools/readme_tables.py --write", file=sys.stderr)  # fmt: skip
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
