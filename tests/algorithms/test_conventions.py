@@ -92,6 +92,47 @@ def test_fedproto_default_lambda_is_the_authors_ld() -> None:
     assert FedProto().lam == 1.0  # lib/options.py: --ld default 1
 
 
+def fedproto_authors_aggregation(client_protos: list[dict[int, list[Tensor]]]) -> dict[int, Tensor]:
+    """lib/utils.py: ``agg_func`` (a client's prototype of a label: the plain mean of the features it collected for
+    that label) then ``proto_aggregation`` (the global prototype: the plain mean over the clients holding the
+    label, whatever their counts)."""
+    local = [{label: torch.stack(feats).mean(0) for label, feats in protos.items()} for protos in client_protos]
+    labels = sorted({label for protos in local for label in protos})
+    return {j: torch.stack([protos[j] for protos in local if j in protos]).mean(0) for j in labels}
+
+
+def test_fedproto_global_prototypes_weigh_every_holding_client_equally_by_default() -> None:
+    """Three clients with unequal class counts, one full-batch epoch each (lam 0): the uploads averaged as the
+    engine does (the plain mean over the cohort, ``model.aggregation: uniform``) give the authors' prototypes by
+    default; ``weighting: count`` gives the count-weighted mean instead."""
+    net = split_net()
+    g = torch.Generator().manual_seed(5)
+    labels = [torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 2, 2]), torch.tensor([1, 1, 1, 1, 2])]
+    data = [(torch.randn(len(y), IN, generator=g, dtype=torch.float64), y) for y in labels]
+    authors_in = []  # the features each client's single forward pass collects, per label (before its step)
+    for x, y in data:
+        feats = net.body(x).detach()
+        authors_in.append({j: [feats[i] for i in range(len(y)) if int(y[i]) == j] for j in sorted(set(y.tolist()))})
+    theirs = fedproto_authors_aggregation(authors_in)
+    by_count = {  # Σ_i |D_ij| C_i^(j) / Σ_i |D_ij|: every sample of the class weighs the same
+        j: torch.cat([torch.stack(c[j]) for c in authors_in if j in c]).mean(0) for j in theirs
+    }
+    for weighting, expected in (("client", theirs), ("count", by_count)):
+        alg = FedProto(lam=0.0) if weighting == "client" else FedProto(lam=0.0, weighting=weighting)  # type: ignore[arg-type]
+        alg.check_compatible(net, CLASSES)
+        uploads = []
+        for x, y in data:
+            opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=16)
+            ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "agg"))
+            uploads.append(alg.client_update(ctx, params_of(net), alg.init_client_state(params_of(net))).upload)
+        alg.num_aggregated = len(uploads)
+        alg.server_update(params_of(net), {k: sum(u[k] for u in uploads) / len(uploads) for k in uploads[0]}, 0)
+        assert sorted(j for j in range(CLASSES) if alg.known[j]) == sorted(expected)
+        for j, proto in expected.items():
+            assert_close_finite(alg.global_prototypes[j], proto)
+    assert float((theirs[0] - by_count[0]).abs().max()) > 1e-3  # the two weightings differ on this data
+
+
 # ---- MOON: QinbinLi/MOON main.py, train_net_fedcon ---------------------------------------------------------------
 def moon_authors_loss(net: SplitModel, glob: SplitModel, prev: SplitModel, x: Tensor, y: Tensor, mu: float,
                       temperature: float) -> Tensor:
