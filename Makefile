@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits bench mutation mutation-report clean
+.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits leaderboard bench mutation mutation-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ reproduce-digits: $(STAMP)
 # configs/experiments/table1_digits.yaml: the 15 methods × 3 seeds, next to the ordering checks
 reproduce-table1-digits: $(STAMP)
 	$(PY) -m experiments table1 --dataset digits
+
+# the leaderboard (docs/leaderboard.md): configs/experiments/leaderboard_digits.yaml, every method tuned on a validation
+# split (grid extended past an edge winner), then 5 fresh seeds; writes docs/leaderboard.csv/.md and the figures.
+# make leaderboard ARGS=--check: a rerun's CSV against the committed one
+leaderboard: $(STAMP)
+	$(PY) -m experiments leaderboard $(ARGS)
 
 # every reproduction runner (each prints a table, writes PNGs and results/NAME/results.json)
 reproduce: $(STAMP)

@@ -2,6 +2,7 @@
 
 from datamodules.base import FederatedDataModule
 from datamodules.common import PartitionedDataModule
+from datamodules.concept_shift import DigitsGroupShiftDataModule, GroupShift
 from datamodules.digits import DigitsDataModule
 from datamodules.digits_shift import DigitsShiftDataModule
 from datamodules.feature_shift import FeatureShift, IIDSplit
@@ -32,6 +33,8 @@ __all__ += [
     "ClientOneHot",
     "DigitsShiftDataModule",
     "FeatureShift",
+    "GroupShift",
+    "DigitsGroupShiftDataModule",
     "IIDSplit",
     "MissingSideInfo",
     "NoisySideInfo",

@@ -15,16 +15,20 @@ C_i^(j) = (1/|D_ij|) Σ_{(x,y) ∈ D_ij} φ_i(x). A sampled client
    the last epoch, before that batch's step: no second pass over the data) and uploads them with the per-class
    counts of those samples (|D_ij| when the epoch covers all of them).
 
-The server averages per class, weighted by the counts: C̄^(j) = Σ_i |D_ij| C_i^(j) / Σ_i |D_ij| (§"Global
-Prototype Aggregation"; Appendix B writes it as Σ_i q_i C_i with Σ_i q_i = 1, which we follow: the main text's
-formula carries an extra 1/|N_j|). The global prototypes are server state, sent to the sampled clients.
+The server averages per class over the clients N_j of the round that hold class j. By default
+(``weighting: client``) every such client has the same weight, C̄^(j) = (1/|N_j|) Σ_{i ∈ N_j} C_i^(j), the main
+text's formula (§"Global Prototype Aggregation") and what the authors' code computes (``proto_aggregation`` in
+``lib/utils.py``: the plain mean of the clients' prototypes of a label; PFLlib's ``serverproto.py`` does the same).
+``weighting: count`` weights them by their counts, C̄^(j) = Σ_i |D_ij| C_i^(j) / Σ_i |D_ij| (Appendix B's
+Σ_i q_i C_i with q_i ∝ |D_ij|). The global prototypes are server state, sent to the sampled clients.
 A client predicts the class of the nearest global prototype, ŷ = argmin_j ‖φ_i(x) − C̄^(j)‖₂ (§"Prototype-based
 model inference"; ``inference: head`` uses the client's own head instead). "+FT" and held-out new clients
 fine-tune on the same local loss (the paper's §"Model Inference" for clients that join later).
 
-How it crosses the boundary: a client uploads ``class_feature_sums`` = |D_ij|·C_i^(j) and ``class_counts`` = |D_ij|
-(the prototype is their ratio), so that the engine's plain mean of the uploads over the cohort gives the
-count-weighted mean exactly; hence ``model.aggregation: uniform`` is required (checked). Classes that no client
+How it crosses the boundary: a client uploads ``class_feature_sums`` = q_ij·C_i^(j) and ``class_counts`` = q_ij, with
+q_ij = 1 for each class it holds (0 otherwise) under ``weighting: client`` and q_ij = |D_ij| (its label histogram)
+under ``weighting: count``, so that the engine's plain mean of the uploads over the cohort, divided per class,
+gives the weighted mean exactly; hence ``model.aggregation: uniform`` is required (checked). Classes that no client
 of a round holds keep their previous global prototype (the paper samples every client each round).
 
 Choices: λ = 1 (``--ld`` default of the authors' ``lib/options.py``; the paper's MNIST/FEMNIST value, Appendix A;
@@ -62,16 +66,27 @@ class FedProto(Algorithm):
     needs_uniform_aggregation = True
 
     def __init__(
-        self, lam: float = 1.0, local_epochs: int = 1, inference: Literal["prototype", "head"] = "prototype"
+        self,
+        lam: float = 1.0,
+        local_epochs: int = 1,
+        inference: Literal["prototype", "head"] = "prototype",
+        weighting: Literal["client", "count"] = "client",
     ) -> None:
         super().__init__()
         if lam < 0:
             raise ConfigError(f"FedProto lam must be ≥ 0, got {lam}")
         if inference not in ("prototype", "head"):
             raise ConfigError(f"FedProto inference must be 'prototype' or 'head', got {inference!r}")
-        self.lam, self.local_epochs, self.inference = lam, local_epochs, inference
+        if weighting not in ("client", "count"):
+            raise ConfigError(f"FedProto weighting must be 'client' or 'count', got {weighting!r}")
+        self.lam, self.local_epochs, self.inference, self.weighting = lam, local_epochs, inference, weighting
+        if weighting == "client":
+            self.reveals = (
+                "per-class prototypes of the client's body features and which classes it holds (a 0/1 flag per "
+                "class); no model parameters"
+            )
         self.register_buffer("global_prototypes", torch.zeros(0, 0))  # C̄ [classes, features], sized by the network
-        self.register_buffer("prototype_counts", torch.zeros(0))  # Σ_i |D_ij| of the latest round that had class j
+        self.register_buffer("prototype_counts", torch.zeros(0))  # Σ_i q_ij of the latest round that had class j
 
     # -- what it needs, and the server state --------------------------------------------------------------
     def check_compatible(self, net: nn.Module, num_classes: int | None) -> None:
@@ -124,6 +139,9 @@ class FedProto(Algorithm):
         params = self.client_model(global_params, state)
         params = ctx.sgd(params, ctx.param_names, self.local_epochs, objective=self.objective(ctx, collect=True))
         sums, counts = ctx.class_sums_seen
+        if self.weighting == "client":  # q_ij = 1 per held class: the upload is the prototype C_i^(j) itself
+            held = (counts > 0).to(sums.dtype)
+            sums, counts = sums / counts.clamp_min(1)[..., None] * held[..., None], held
         return ClientUpdate(
             upload={SUMS: sums, COUNTS: counts},
             state={n: params[n] for n in state},
@@ -148,7 +166,8 @@ class FedProto(Algorithm):
     # -- server --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
-        """C̄^(j) = mean_i(|D_ij| C_i^(j)) / mean_i |D_ij| over the round's uploads, for the classes they hold."""
+        """C̄^(j) = mean_i(q_ij C_i^(j)) / mean_i q_ij over the round's uploads (q_ij: 1 or |D_ij|, ``weighting``),
+        for the classes they hold."""
         if SUMS not in averaged_extra:
             return
         sums, counts = averaged_extra[SUMS], averaged_extra[COUNTS]

@@ -21,7 +21,8 @@ the grid (exit 130); the same command later finishes it.
 A file whose methods say ``tune`` (``spec.py``) first runs the tuning stage: every grid point × tuning seed on the
 validation split, in ``<runs_dir>/<name>/tune/...`` (skipped, resumed and batched like any run); then
 :func:`choose` picks each method's point by the mean over tuning seeds of its ``metric`` (``summary.json``), writes
-``<runs_dir>/<name>/tune.json`` and the grid runs with the chosen setting and the experiment's own seeds.
+``<runs_dir>/<name>/tune.json`` and the grid runs with the chosen setting and the experiment's own seeds. With
+``tune.extend`` a winner on the edge of a numeric axis first grows its grid outward (``tuning.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -505,16 +507,28 @@ class Choice:
     trials: int
     seeds: list[int]
     missing: list[str] = field(default_factory=list)
+    #: the numeric axes on which the winner is left at an edge, each with what stopped the extension
+    edges: list[str] = field(default_factory=list)
+    #: the tuning points whose runs failed during the grid extension (tried and lost)
+    lost: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """The chosen point as the table shows it: flagged when it sits on a grid edge."""
+        return "-" if self.point is None else self.point + "".join(f" [edge: {e}]" for e in self.edges)
 
     def record(self) -> dict[str, Any]:
-        names = ("axes", "metric", "point", "overrides", "means", "trials", "seeds", "missing")
+        names = ("axes", "metric", "point", "overrides", "means", "trials", "seeds", "missing", "edges", "lost")
         return {("chosen" if n == "point" else "tuning_seeds" if n == "seeds" else n): getattr(self, n) for n in names}
 
 
-def choose(experiment: Experiment, tuning: list[TuneRun]) -> dict[tuple[str, ...], Choice]:
+def choose(
+    experiment: Experiment, tuning: list[TuneRun], lost: Collection[str] = ()
+) -> dict[tuple[str, ...], Choice]:
     """Each tuned combination's best grid point: the best mean over tuning seeds of ``tune.metric`` read from the
     tuning runs' ``summary.json`` (validation figures: those runs evaluate on the validation split); ties go to
-    the first point in grid order. A point with a missing run or figure cannot win (listed in ``missing``)."""
+    the first point in grid order. A point with a missing run or figure cannot win (listed in ``missing``), nor
+    can one with a run in ``lost`` (run dirs of the grid extension's failed runs), which blocks nothing."""
     from fl_lightning.experiment.spec import override
 
     out: dict[tuple[str, ...], Choice] = {}
@@ -525,7 +539,10 @@ def choose(experiment: Experiment, tuning: list[TuneRun]) -> dict[tuple[str, ...
         tune = next(p.tune for p in runs[0].run.points if p.tune is not None)
         values: dict[str, list[float]] = {}
         missing: list[str] = []
+        dropped = sorted({t.point for t in runs if str(t.run.run_dir) in lost})
         for t in runs:
+            if t.point in dropped:
+                continue
             summary = read_json(t.run.run_dir / "summary.json")
             value = summary.get(tune.metric) if isinstance(summary, dict) else None
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
@@ -542,7 +559,7 @@ def choose(experiment: Experiment, tuning: list[TuneRun]) -> dict[tuple[str, ...
         axes = {p.axis: p.label for p in runs[0].run.points if p.axis != "seed"}
         out[key] = Choice(
             key, axes, tune.metric, best, [override(k, v) for k, v in chosen[1].items()] if chosen else [], means,
-            len(runs), list(tune.seeds), missing,
+            len(runs), list(tune.seeds), missing, lost=dropped,
         )  # fmt: skip
     return out
 
@@ -567,6 +584,7 @@ def run_experiment(
     from fl_lightning.experiment.collect import load_run_dir
     from fl_lightning.experiment.report import write_report
     from fl_lightning.experiment.spec import ExperimentError
+    from fl_lightning.experiment.tuning import extend_grids
     from fl_lightning.experiment.validation import validate_runs
 
     out = out or sys.stdout
@@ -603,6 +621,19 @@ def run_experiment(
         if any(o.status == "interrupted" for o in tune_outcomes):
             return ExperimentResult(130, tune_outcomes, [])
         choices = choose(experiment, tuning)
+
+        def run_more(grown_experiment: Experiment, specs: list[RunSpec]) -> list[Outcome]:
+            more = validate_runs(grown_experiment, specs)
+            resolved.update(more)
+            max_steps.update({d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in more.items()})
+            return execute(grown_experiment, specs, max_steps, jobs=jobs, overwrite=overwrite, configs=resolved,
+                           batch_runs=batch_runs)  # fmt: skip
+
+        tuning, grown, choices = extend_grids(experiment, extra, tuning, choices, run_more, choose, out)
+        tune_outcomes += grown
+        tune_specs = [t.run for t in tuning]
+        if any(o.status == "interrupted" for o in grown):
+            return ExperimentResult(130, tune_outcomes, [])
         (experiment.out_dir / "tune.json").write_text(json.dumps([c.record() for c in choices.values()], indent=1))
         for c in choices.values():
             where = ", ".join(f"{a}={lab}" for a, lab in c.axes.items())
@@ -610,7 +641,7 @@ def run_experiment(
                 print(f"tune: {where}: no choice ({len(c.missing)} tuning run(s) without {c.metric}); its runs are "
                       "skipped", file=out)  # fmt: skip
             else:
-                print(f"tune: {where}: chose {c.point} ({c.metric} {c.means[c.point]:.4f}, mean over "
+                print(f"tune: {where}: chose {c.label} ({c.metric} {c.means[c.point]:.4f}, mean over "
                       f"{len(c.seeds)} tuning seeds; {c.trials} trials)", file=out)  # fmt: skip
         runs = experiment.runs(extra, chosen={k: c.overrides for k, c in choices.items()})
         runs = [r for r in runs if experiment.tune_key(r.points) not in choices
@@ -646,7 +677,7 @@ def run_experiment(
             fmt,
             curve or experiment.report.get("curve"),
             title,
-            tuned=[(c.axes, c.point or "-", c.trials) for c in choices.values()] or None,
+            tuned=[(c.axes, c.label, c.trials) for c in choices.values()] or None,
         )
         print(f"\n{result.table}\n", file=out)
         for p in result.plots:

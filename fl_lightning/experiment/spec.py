@@ -17,7 +17,7 @@ Schema (every key but ``name`` is optional)::
     job_type: method                 # the axis whose label is the W&B job_type (default: "method" if present)
     runs_dir: runs                   # default runs/
     report: {metrics: [last10], by: [method], curve: val/acc_mean}
-    tune: {metric: last10, seeds: [100, 101], val_fraction: 0.2, budget: equal}   # defaults of every method's tune
+    tune: {metric: last10, seeds: [100, 101], val_fraction: 0.2, budget: equal, extend: 2}   # defaults of every tune
 
 A method may say how to choose its hyper-parameters (the fair comparison protocol of issue 31)::
 
@@ -42,6 +42,16 @@ A method may say how to choose its hyper-parameters (the fair comparison protoco
 - ``budget`` (top level only): ``equal`` (default) refuses a file whose tuned methods get different numbers of
   trials (grid points × tuning seeds; a method with no ``tune`` has 0); ``free`` allows it (the report still shows
   every method's trials).
+- ``extend`` (top level only, so every method gets the same rule; default 0: off): when a method's winner sits at
+  the lower or upper edge of a numeric grid axis, the tuner adds the next value outward on that axis (at the
+  winner's values of the other axes), runs it with the tuning seeds and chooses again, at most ``extend`` times
+  per method, until every numeric axis of the winner is interior or a bound stops it
+  (``fl_lightning/experiment/tuning.py``). A winner left on an edge is flagged in ``tune.json`` and in the table's
+  "chosen" column with what stopped it.
+- ``scale``: dotted key -> ``log`` or ``linear``, the axis's own scale for ``extend`` (default: ``log`` for an
+  all-positive learning-rate axis, a key ending in ``lr``, or a grid of ≥ 3 positive values in constant ratio; else
+  ``linear``). ``bounds``: dotted key -> ``[low, high]`` (``null``: open), the values ``extend`` may reach (default:
+  ``[0, null]`` for an axis of non-negative values, ``[1, null]`` for one of positive integers).
 
 Each point runs once per tuning seed in ``<runs_dir>/<name>/tune/<labels>/<point>/s<seed>``; the chosen point is
 the one with the best mean of ``metric`` over the tuning seeds (ties: the first in grid order), then the method's
@@ -70,7 +80,7 @@ from fl_lightning.errors import ConfigError, load_yaml
 TOP_KEYS = (
     "name", "description", "configs", "axes", "set", "wandb", "job_type", "runs_dir", "report", "batch_runs", "tune",
 )  # fmt: skip
-TUNE_KEYS = ("grid", "seeds", "metric", "mode", "val_fraction")
+TUNE_KEYS = ("grid", "seeds", "metric", "mode", "val_fraction", "scale", "bounds")
 TUNE_DEFAULTS: dict[str, Any] = {"seeds": [100, 101], "metric": "last10", "mode": "max", "val_fraction": 0.2}
 WANDB_KEYS = ("project", "mode", "tags")
 REPORT_KEYS = ("metrics", "by", "curve")
@@ -119,14 +129,23 @@ class Tune:
     metric: str = "last10"
     mode: str = "max"
     val_fraction: float = 0.2
+    #: the most grid extensions when the winner sits on an edge (``extend``; 0: off)
+    extend: int = 0
+    #: dotted key -> "log" or "linear" (``scale``), dotted key -> (low, high) with None for open (``bounds``)
+    scale: tuple[tuple[str, str], ...] = ()
+    bounds: tuple[tuple[str, tuple[float | None, float | None]], ...] = ()
+    #: points added by the extension (one value per grid key, in grid order), after the grid's product
+    extra: tuple[tuple[Any, ...], ...] = ()
 
     def points(self) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
-        """The grid's points in order: (label, overrides, {key: value})."""
+        """The grid's points in order, then the extension's: (label, overrides, {key: value})."""
         keys = [k for k, _ in self.grid]
-        out = []
-        for values in itertools.product(*(v for _, v in self.grid)):
+        out, seen = [], set()
+        for values in [*itertools.product(*(v for _, v in self.grid)), *self.extra]:
             label = "+".join(f"{k.rsplit('.', 1)[-1]}={arg_value(v)}" for k, v in zip(keys, values))
-            out.append((label, tuple(override(k, v) for k, v in zip(keys, values)), dict(zip(keys, values))))
+            if label not in seen:
+                seen.add(label)
+                out.append((label, tuple(override(k, v) for k, v in zip(keys, values)), dict(zip(keys, values))))
         return out
 
     @property
@@ -400,12 +419,15 @@ def parse_experiment(
     if top_tune is not None:
         if not isinstance(top_tune, Mapping):
             raise fail("tune", "expected a mapping such as {metric: last10, seeds: [100, 101], budget: equal}")
-        bad = [k for k in top_tune if k not in (*TUNE_KEYS, "budget") or k == "grid"]
+        bad = [k for k in top_tune if k not in (*TUNE_KEYS, "budget", "extend") or k == "grid"]
         if bad:
             raise fail(f"tune.{bad[0]}", "unknown key at the top level (known: seeds, metric, mode, val_fraction, "
-                       "budget; the grid goes in each method's tune)")  # fmt: skip
+                       "scale, bounds, budget, extend; the grid goes in each method's tune)")  # fmt: skip
         if top_tune.get("budget", "equal") not in ("equal", "free"):
             raise fail("tune.budget", f"expected equal or free, got {top_tune['budget']!r}")
+        ext = top_tune.get("extend", 0)
+        if isinstance(ext, bool) or not isinstance(ext, int) or ext < 0:
+            raise fail("tune.extend", f"expected a number of extensions ≥ 0 (0: off), got {ext!r}")
     defaults = {**TUNE_DEFAULTS, **{k: v for k, v in (top_tune or {}).items() if k != "budget"}}
     axes_data = data.get("axes") or {}
     if not isinstance(axes_data, Mapping):
@@ -527,7 +549,8 @@ def parse_tune(value: Any, defaults: Mapping[str, Any], key: str, fail: Any) -> 
                    f"got {value!r}")  # fmt: skip
     bad = [k for k in value if k not in TUNE_KEYS]
     if bad:
-        raise fail(f"{key}.{bad[0]}", f"unknown key (known: {', '.join(TUNE_KEYS)})")
+        more = "; extend is set once, at the top level" if bad[0] == "extend" else ""
+        raise fail(f"{key}.{bad[0]}", f"unknown key (known: {', '.join(TUNE_KEYS)}){more}")
     merged = {**defaults, **value}
     grid = merged.get("grid")
     if not isinstance(grid, Mapping) or not grid:
@@ -565,7 +588,39 @@ def parse_tune(value: Any, defaults: Mapping[str, Any], key: str, fail: Any) -> 
     if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 < vf < 1:
         raise fail(f"{key}.val_fraction", f"expected a fraction in (0, 1) (tuning reads the validation split), "
                    f"got {vf!r}")  # fmt: skip
-    return Tune(tuple(items), tuple(seeds), metric, merged["mode"], float(vf))
+    grid_keys = [k for k, _ in items]
+    scale = axis_settings("scale", defaults, value, grid_keys, key, fail)
+    for k, v in scale.items():
+        if v not in ("log", "linear"):
+            raise fail(f"{key}.scale.{k}", f"expected log or linear, got {v!r}")
+    bounds = axis_settings("bounds", defaults, value, grid_keys, key, fail)
+    for k, v in bounds.items():
+        if (not isinstance(v, list) or len(v) != 2
+                or any(b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))) for b in v)
+                or (None not in v and v[0] > v[1])):  # fmt: skip
+            raise fail(f"{key}.bounds.{k}", f"expected [low, high] (numbers or null, low ≤ high), got {v!r}")
+    return Tune(
+        tuple(items), tuple(seeds), metric, merged["mode"], float(vf), int(merged.get("extend", 0)),
+        tuple(scale.items()), tuple((k, (v[0], v[1])) for k, v in bounds.items()),
+    )  # fmt: skip
+
+
+def axis_settings(name: str, defaults: Mapping[str, Any], value: Mapping[str, Any], grid: list[str], key: str,
+                  fail: Any) -> dict[str, Any]:  # fmt: skip
+    """``scale`` or ``bounds`` of one method: the top level's entries for its grid keys, then its own (which must
+    name grid keys)."""
+    out = {}
+    for where, given, strict in ((f"tune.{name}", defaults.get(name), False), (f"{key}.{name}", value.get(name), True)):
+        if given is None:
+            continue
+        if not isinstance(given, Mapping):
+            raise fail(where, f"expected a mapping dotted.key -> value, got {given!r}")
+        for k, v in given.items():
+            if k in grid:
+                out[k] = v
+            elif strict:
+                raise fail(f"{where}.{k}", f"not a key of this method's grid ({', '.join(grid)})")
+    return out
 
 
 def check_budget(axes: Mapping[str, list[AxisValue]], top: Any, fail: Any) -> None:

@@ -94,6 +94,47 @@ def test_fedproto_default_lambda_is_the_authors_ld() -> None:
     assert FedProto().lam == 1.0  # lib/options.py: --ld default 1
 
 
+def fedproto_authors_aggregation(client_protos: list[dict[int, list[Tensor]]]) -> dict[int, Tensor]:
+    """lib/utils.py: ``agg_func`` (a client's prototype of a label: the plain mean of the features it collected for
+    that label) then ``proto_aggregation`` (the global prototype: the plain mean over the clients holding the
+    label, whatever their counts)."""
+    local = [{label: torch.stack(feats).mean(0) for label, feats in protos.items()} for protos in client_protos]
+    labels = sorted({label for protos in local for label in protos})
+    return {j: torch.stack([protos[j] for protos in local if j in protos]).mean(0) for j in labels}
+
+
+def test_fedproto_global_prototypes_weigh_every_holding_client_equally_by_default() -> None:
+    """Three clients with unequal class counts, one full-batch epoch each (lam 0): the uploads averaged as the
+    engine does (the plain mean over the cohort, ``model.aggregation: uniform``) give the authors' prototypes by
+    default; ``weighting: count`` gives the count-weighted mean instead."""
+    net = split_net()
+    g = torch.Generator().manual_seed(5)
+    labels = [torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 2, 2]), torch.tensor([1, 1, 1, 1, 2])]
+    data = [(torch.randn(len(y), IN, generator=g, dtype=torch.float64), y) for y in labels]
+    authors_in = []  # the features each client's single forward pass collects, per label (before its step)
+    for x, y in data:
+        feats = net.body(x).detach()
+        authors_in.append({j: [feats[i] for i in range(len(y)) if int(y[i]) == j] for j in sorted(set(y.tolist()))})
+    theirs = fedproto_authors_aggregation(authors_in)
+    by_count = {  # Σ_i |D_ij| C_i^(j) / Σ_i |D_ij|: every sample of the class weighs the same
+        j: torch.cat([torch.stack(c[j]) for c in authors_in if j in c]).mean(0) for j in theirs
+    }
+    for weighting, expected in (("client", theirs), ("count", by_count)):
+        alg = FedProto(lam=0.0) if weighting == "client" else FedProto(lam=0.0, weighting=weighting)  # type: ignore[arg-type]
+        alg.check_compatible(net, CLASSES)
+        uploads = []
+        for x, y in data:
+            opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=16)
+            ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "agg"))
+            uploads.append(alg.client_update(ctx, params_of(net), alg.init_client_state(params_of(net))).upload)
+        alg.num_aggregated = len(uploads)
+        alg.server_update(params_of(net), {k: sum(u[k] for u in uploads) / len(uploads) for k in uploads[0]}, 0)
+        assert sorted(j for j in range(CLASSES) if alg.known[j]) == sorted(expected)
+        for j, proto in expected.items():
+            assert_close_finite(alg.global_prototypes[j], proto)
+    assert float((theirs[0] - by_count[0]).abs().max()) > 1e-3  # the two weightings differ on this data
+
+
 # ---- MOON: QinbinLi/MOON main.py, train_net_fedcon ---------------------------------------------------------------
 def moon_authors_loss(net: SplitModel, glob: SplitModel, prev: SplitModel, x: Tensor, y: Tensor, mu: float,
                       temperature: float) -> Tensor:
@@ -170,6 +211,49 @@ def test_fedprox_and_ditto_proximal_gradients_are_the_authors_effective_gradient
         grads = torch.func.grad(lambda p, a=alg: a.proximal(p, anchor))(w)
         for n in w:
             assert_close_finite(grads[n], coef * (w[n] - anchor[n]))
+
+
+def test_ditto_personal_epoch_with_plain_sgd_is_the_authors_and_pfllibs_and_momentum_moves_it_further() -> None:
+    """Issue 44's gap (one personal epoch: ours 91.4 vs PFLlib 84.9): the authors (a tf GradientDescentOptimizer
+    and the hand-written step v − lr·(∇f(v) + λ(v − w^t))) and PFLlib (``PerturbedGradientDescent``, no momentum)
+    take plain SGD steps; our configs train every client phase with momentum 0.5 (``model.momentum`` in
+    configs/digits/base.yaml, spec 000 §3.2). With ``momentum: 0`` our personal phase is their steps exactly; with
+    0.5 it is the heavy-ball recursion, which in the same number of steps moves v_i further from where it started
+    (tools/ditto_side_by_side.py measures what that does to accuracy)."""
+    net, (x, y) = split_net(), batch()
+    lam, lr, epochs = 0.75, 0.1, 4  # full-batch epochs: one step each, so the shuffle plays no part
+    alg = Ditto(lam=lam, local_epochs=1, personal_epochs=epochs)
+    w_t = {n: p.detach().clone() for n, p in net.named_parameters()}
+    g = torch.Generator().manual_seed(11)
+    v0 = {n: t + 0.3 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in w_t.items()}
+    state = {"v." + n: t for n, t in v0.items()}
+
+    def ours(momentum: float) -> dict[str, Tensor]:
+        opt = ClientOptimizer(lr=lr, momentum=momentum, batch_size=BATCH)
+        ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "ditto"))
+        return {n[2:]: t for n, t in alg.client_update(ctx, w_t, state).state.items()}
+
+    def theirs(momentum: float) -> dict[str, Tensor]:
+        v, buf = {n: t.clone() for n, t in v0.items()}, {}
+        for _ in range(epochs):
+            leaves = {n: t.clone().requires_grad_(True) for n, t in v.items()}
+            loss = F.cross_entropy(torch.func.functional_call(net, leaves, (x,)), y)
+            grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+            for n in v:
+                eff = grads[n] + lam * (v[n] - w_t[n])  # their eff_grad / d_p
+                buf[n] = eff if n not in buf else momentum * buf[n] + eff
+                v[n] = v[n] - lr * buf[n]
+        return v
+
+    plain, heavy = ours(0.0), ours(0.5)
+    for n in v0:
+        assert_close_finite(plain[n], theirs(0.0)[n])
+        assert_close_finite(heavy[n], theirs(0.5)[n])
+
+    def moved(v: dict[str, Tensor]) -> float:
+        return float(sum(((v[n] - v0[n]) ** 2).sum() for n in v) ** 0.5)
+
+    assert moved(heavy) > 1.2 * moved(plain)
 
 
 # ---- pFedMe: CharlieDinh/pFedMe FLAlgorithms/optimizers/fedoptimizer.py (pFedMeOptimizer.step),

@@ -58,10 +58,15 @@ def fedproto_reference(run, lam, epochs, count_weighted=True):
     return models, prototypes, known
 
 
-def test_fedproto_matches_the_reference_and_predicts_by_the_nearest_global_prototype():
+@pytest.mark.parametrize("weighting", ["client", "count"])
+def test_fedproto_matches_the_reference_and_predicts_by_the_nearest_global_prototype(weighting: str):
+    """Default ``weighting: client``: each holder's prototype weighs the same (the authors' ``proto_aggregation``);
+    ``count``: weighted by its class counts. The other weighting's prototypes differ (the clients' counts differ)."""
     lam, epochs = 0.5, 3
-    run = Run(FedProto(lam=lam, local_epochs=epochs))
-    models, prototypes, known = fedproto_reference(run, lam, epochs)
+    default = FedProto(lam=lam, local_epochs=epochs)  # weighting: client
+    algorithm = default if weighting == "client" else FedProto(lam, epochs, weighting=weighting)  # type: ignore[arg-type]
+    run = Run(algorithm)
+    models, prototypes, known = fedproto_reference(run, lam, epochs, count_weighted=weighting == "count")
     alg = run.module.algorithm
     assert bool(known.any()) and torch.equal(alg.known, known)
     assert_close_finite(alg.global_prototypes[known], prototypes[known], rtol=2e-4, atol=2e-5)
@@ -72,23 +77,28 @@ def test_fedproto_matches_the_reference_and_predicts_by_the_nearest_global_proto
     test = run.module.fed.test
     expected = [nearest_prototype_accuracy(models[c], *test.client(c), prototypes, known) for c in range(4)]
     assert_close_finite(scores["acc_per_client"], torch.tensor(expected), atol=1e-6)
-    _, unweighted, _ = fedproto_reference(run, lam, epochs, count_weighted=False)  # prototypes not count-weighted
-    assert float((alg.global_prototypes[known] - unweighted[known]).abs().max()) > 1e-4
+    _, other, _ = fedproto_reference(run, lam, epochs, count_weighted=weighting != "count")  # the other weighting
+    assert float((alg.global_prototypes[known] - other[known]).abs().max()) > 1e-4
 
 
-def test_fedproto_uploads_only_prototypes_and_the_label_histogram(monkeypatch):
+@pytest.mark.parametrize("weighting", ["client", "count"])
+def test_fedproto_uploads_only_prototypes_and_the_held_classes_or_the_label_histogram(monkeypatch, weighting: str):
     """What crosses the boundary, as the ledger sees it: per-class feature sums [classes, features] and per-class
-    counts equal to the client's label histogram; the ledger counts only the sums as state-dependent bytes."""
+    weights: a 0/1 flag per held class (``client``, the sums are then the prototypes) or the client's label
+    histogram (``count``); the ledger counts only the sums as state-dependent bytes."""
     from fl_lightning.engine.ledger import CommunicationLedger
 
     seen = []
     monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda led, r, c, t: seen.append((c, dict(t)))])
-    run = Run(FedProto(lam=0.5, local_epochs=1), rounds=2)
+    run = Run(FedProto(lam=0.5, local_epochs=1, weighting=weighting), rounds=2)  # type: ignore[arg-type]
     assert len(seen) == sum(len(c) for c in run.cohorts)
     for client, upload in seen:
         assert set(upload) == {"class_feature_sums", "class_counts"}
         assert upload["class_feature_sums"].shape == (10, 8)
-        assert torch.equal(upload["class_counts"], torch.bincount(run.data[client][1], minlength=10).float())
+        histogram = torch.bincount(run.data[client][1], minlength=10).float()
+        expected = histogram if weighting == "count" else (histogram > 0).float()
+        assert torch.equal(upload["class_counts"], expected)
+        assert bool((upload["class_feature_sums"][histogram == 0] == 0).all())
     last = run.module.ledger.history[-1]
     assert last.state_dependent_bytes == last.uploads * 10 * 8 * 4 and last.bytes == last.uploads * (10 * 8 + 10) * 4
     assert run.module.ledger.describe().startswith("per-class prototypes")
@@ -190,16 +200,18 @@ def test_objective_passes_the_client_side_information_per_sample() -> None:
     assert_close_finite(got, np_objective(p, x, y, SIDE_SCALE * s.numpy()[None, :], known, 0.7))
 
 
+@pytest.mark.parametrize("weighting", ["client", "count"])
 @pytest.mark.parametrize("lam", [0.0, 1.3])
-def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: float) -> None:
+def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: float, weighting: str) -> None:
     """One epoch of one minibatch holding all 5 samples: the reported loss is the objective at the start (the mean
     over the batch does not depend on the shuffle); the first momentum-SGD step is −lr·∇; the uploaded class sums
-    are of the features that step computed."""
+    are of the features that step computed (``count``: the sums and the histogram; ``client``: the class means and
+    a 1 per held class)."""
     p, (x, y) = weights(), inputs(5)  # labels 0, 2, 2, 1, 0
     lr = 0.2
     opt = ClientOptimizer(lr=lr, momentum=0.9, batch_size=8)
     ctx = ClientContext(network(False), 0, x, y, None, opt, F.cross_entropy, make_generator(1, "proto"))
-    alg = with_prototypes([1.0, 0.0, 4.0], lam=lam)
+    alg = with_prototypes([1.0, 0.0, 4.0], lam=lam, weighting=weighting)
     known = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     up = alg.client_update(ctx, p, alg.init_client_state(p))
 
@@ -221,8 +233,11 @@ def test_client_update_reports_the_loss_steps_once_and_uploads_class_sums(lam: f
     sums = np.zeros((C, H))
     for i, label in enumerate(y.tolist()):
         sums[label] += f_seen[i]
+    counts = np.array([2.0, 1.0, 2.0])
+    if weighting == "client":
+        sums, counts = sums / counts[:, None], np.ones(3)
     assert_close_finite(up.upload["class_feature_sums"], sums)
-    assert_close_finite(up.upload["class_counts"], np.array([2.0, 1.0, 2.0]))
+    assert_close_finite(up.upload["class_counts"], counts)
     assert up.num_samples == 5
 
 
@@ -240,6 +255,9 @@ def test_defaults_and_argument_checks() -> None:
     for bad in ("HEAD", "proto", ""):
         with pytest.raises(ConfigError, match="inference"):
             FedProto(inference=bad)  # type: ignore[arg-type]
+    assert alg.weighting == "client" and FedProto(weighting="count").weighting == "count"
+    with pytest.raises(ConfigError, match="weighting"):
+        FedProto(weighting="samples")  # type: ignore[arg-type]
 
 
 class Pair(nn.Module):

@@ -8,6 +8,7 @@ Training runs are tiny (digits, 2 rounds); the reference winner is recomputed he
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -184,3 +185,194 @@ def test_the_tuned_digits_table_expands_with_equal_budgets():
     assert len(methods) == 23 and all(p.tune is not None for p in methods)
     assert len({p.tune.trials for p in methods}) == 1
     assert len(experiment.tuning_runs()) == 23 * methods[0].tune.trials
+
+
+# ---- the grid extension (issue 44, fl_lightning/experiment/tuning.py) ----------------------------------------------
+def extending(extend: int, lr: list, mu: list, **tune) -> dict:
+    """FedProx with an lr × mu grid and ``extend`` extensions; the runs are never trained (a fake objective)."""
+    data = tuned(tune={"seeds": [100, 101], "val_fraction": 0.25, "extend": extend, **tune})
+    data["axes"]["method"] = {
+        "fedprox": {"config": f"{DIGITS}/fedprox.yaml",
+                    "tune": {"grid": {"model.lr": lr, "model.algorithm.init_args.mu": mu}}},
+    }  # fmt: skip
+    return data
+
+
+def fake_stage(objective, fails=lambda lr, mu: False):
+    """``run`` for extend_grids: each tuning run's summary.json holds objective(lr, mu) plus a seed-dependent
+    wobble (so the choice is a mean over seeds); a run where ``fails`` holds writes nothing and fails."""
+    from fl_lightning.experiment.runner import Outcome
+
+    calls: list[list[str]] = []
+
+    def run(experiment, specs):
+        calls.append([str(s.run_dir) for s in specs])
+        outcomes = []
+        for spec in specs:
+            lr = float(next(o for o in spec.overrides if o.startswith("--model.lr=")).split("=")[1])
+            mu = float(next(o for o in spec.overrides if o.startswith("--model.algorithm.init_args.mu=")).split("=")[1])
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
+            if fails(lr, mu):
+                outcomes.append(Outcome(spec, "failed", "diverged"))
+                continue
+            wobble = 1e-4 * (spec.seed - 100.5)
+            (spec.run_dir / "summary.json").write_text(json.dumps({"last10": objective(lr, mu) + wobble}))
+            outcomes.append(Outcome(spec, "done"))
+        return outcomes
+
+    return run, calls
+
+
+def grown_choice(data, objective, fails=lambda lr, mu: False):
+    """The base grid's runs, its choice, then extend_grids, as the runner chains them."""
+    import io
+
+    from fl_lightning.experiment.tuning import extend_grids
+
+    experiment = parse_experiment(data, runs_dir=Path(data.pop("_runs")))
+    run, calls = fake_stage(objective, fails)
+    tuning = experiment.tuning_runs()
+    run(experiment, [t.run for t in tuning])
+    lost = set()
+    choices = runner.choose(experiment, tuning, lost)
+    tuning, outcomes, choices = extend_grids(experiment, [], tuning, choices, run, runner.choose, io.StringIO())
+    return choices[("fedprox",)], tuning, calls[1:]
+
+
+def peak(lr_star: float, mu_star: float):
+    """A concave objective in (log lr, mu) with its maximum at (lr_star, mu_star)."""
+    import math
+
+    return lambda lr, mu: 1.0 - (math.log(lr) - math.log(lr_star)) ** 2 - (mu - mu_star) ** 2
+
+
+def test_an_edge_winner_grows_its_axis_on_the_log_scale_until_interior(tmp_path):
+    """lr's grid [0.01, 0.05] with the optimum near 0.3: the tuner adds 0.25 (× 5, the grid's own ratio), then
+    1.25, and stops there because 0.25 is interior; mu's winner is interior from the start (never extended)."""
+    data = extending(3, [0.01, 0.05], [0.0, 0.1, 0.2])
+    data["_runs"] = tmp_path
+    choice, tuning, calls = grown_choice(data, peak(0.3, 0.1))
+    points = {t.point for t in tuning}
+    assert {"lr=0.25+mu=0.1", "lr=1.25+mu=0.1"} <= points and len(points) == 2 * 3 + 2
+    assert [len(c) for c in calls] == [2, 2]  # one new point × 2 tuning seeds per extension
+    assert choice.point == "lr=0.25+mu=0.1" and choice.edges == [] and choice.trials == 16
+    # the reference: the best mean over seeds of the objective over the points tried
+    f = peak(0.3, 0.1)
+    tried = [(float(p.split("+")[0][3:]), float(p.split("+")[1][3:])) for p in points]
+    best = max(tried, key=lambda v: f(*v))
+    assert choice.point == f"lr={best[0]:g}+mu={best[1]:g}"
+    assert choice.overrides == ["--model.lr=0.25", "--model.algorithm.init_args.mu=0.1"]
+
+
+def test_the_budget_stops_the_extension_and_the_winner_is_flagged(tmp_path):
+    """The optimum at lr = 100: with 2 extensions the winner ends at lr = 1.25 (0.05 × 5²), flagged with the budget
+    that stopped it; the label in the table carries the flag."""
+    data = extending(2, [0.01, 0.05], [0.0, 0.1, 0.2])
+    data["_runs"] = tmp_path
+    choice, _, calls = grown_choice(data, peak(100.0, 0.1))
+    assert len(calls) == 2 and choice.point == "lr=1.25+mu=0.1"
+    assert choice.edges == ["lr=1.25 at the upper edge (budget (2 extensions))"]
+    assert choice.label == "lr=1.25+mu=0.1 [edge: lr=1.25 at the upper edge (budget (2 extensions))]"
+    assert choice.record()["edges"] == choice.edges
+
+
+def test_a_linear_axis_steps_by_its_difference_and_stops_at_its_bound(tmp_path):
+    """mu's grid [0.1, 0.2] (linear: not a learning rate) with the optimum below 0: the next value down is 0.0
+    (0.1 − 0.1), then the default bound 0 of a non-negative axis stops it, and the winner is flagged with it.
+    A declared bound [0.05, null] clips the step to 0.05 instead."""
+    data = extending(3, [0.01, 0.05, 0.25], [0.1, 0.2])
+    data["_runs"] = tmp_path / "a"
+    choice, tuning, _ = grown_choice(data, peak(0.05, -1.0))
+    assert "lr=0.05+mu=0.0" in {t.point for t in tuning}
+    assert choice.point == "lr=0.05+mu=0.0" and choice.edges == ["mu=0.0 at the lower edge (bound 0)"]
+    data = extending(3, [0.01, 0.05, 0.25], [0.1, 0.2], bounds={"model.algorithm.init_args.mu": [0.05, None]})
+    data["_runs"] = tmp_path / "b"
+    choice, _, _ = grown_choice(data, peak(0.05, -1.0))
+    assert choice.point == "lr=0.05+mu=0.05" and choice.edges == ["mu=0.05 at the lower edge (bound 0.05)"]
+
+
+def test_a_failed_extension_point_is_tried_and_lost(tmp_path):
+    """The runs at lr ≥ 1 diverge (fail): lr = 1.25 cannot win and does not block the choice; 0.25 is then inside
+    the values tried, so it is not flagged."""
+    data = extending(3, [0.01, 0.05], [0.0, 0.1, 0.2])
+    data["_runs"] = tmp_path
+    choice, _, calls = grown_choice(data, peak(100.0, 0.1), fails=lambda lr, mu: lr >= 1)
+    assert len(calls) == 2 and choice.point == "lr=0.25+mu=0.1" and choice.edges == []
+    assert choice.lost == ["lr=1.25+mu=0.1"] and "lr=1.25+mu=0.1" not in choice.means
+
+
+def test_outward_values_on_each_scale():
+    from fl_lightning.experiment.tuning import axis_bounds, axis_scale, outward
+
+    assert axis_scale("model.lr", [0.01, 0.05], {}) == "log" and axis_scale("model.server_lr", [0.5, 1.0], {}) == "log"
+    assert axis_scale("x.mu", [0.01, 0.1], {}) == "linear" and axis_scale("x.mu", [0.01, 0.1, 1.0], {}) == "log"
+    assert axis_scale("x.mu", [0.01, 0.1], {"x.mu": "log"}) == "log" and axis_scale("x.lr", [0.0, 0.1], {}) == "linear"
+    assert axis_bounds("e", [1, 5], {}) == (1, None) and axis_bounds("m", [0.0, 0.1], {}) == (0, None)
+    assert axis_bounds("m", [-1.0, 1.0], {}) == (None, None) and axis_bounds("m", [0.1], {"m": (0.2, 1)}) == (0.2, 1)
+    for values, side, scale in [([0.01, 0.05], "upper", "log"), ([0.01, 0.05], "lower", "log"),
+                                ([0.1, 0.75], "upper", "linear"), ([0.0001, 0.001], "lower", "log")]:  # fmt: skip
+        lo, hi = sorted(values)
+        want = (hi * hi / lo if scale == "log" else 2 * hi - lo) if side == "upper" else (lo * lo / hi)
+        assert outward(values, side, scale, (None, None)) == (pytest.approx(want), "")
+    assert outward([1, 5], "upper", "linear", (1, None)) == (9, "")  # integers stay integers
+    assert outward([1, 5], "lower", "linear", (1, None)) == (None, "bound 1")  # 1 is already the bound
+    assert outward([2, 5], "lower", "linear", (1, None)) == (1, "")  # −1 is clipped to the bound once
+    assert outward([1, 2], "upper", "log", (None, 3)) == (3, "")  # 4 is clipped to 3
+    assert outward([5, 10], "upper", "linear", (None, None))[0] == 15 and isinstance(outward([1, 2], "upper",
+                                                                                              "log", (1, None))[0], int)
+
+
+def test_extend_is_set_once_at_the_top_level_and_checked():
+    data = extending(2, [0.01, 0.05], [0.0, 0.1])
+    experiment = parse_experiment(data)
+    assert experiment.axes["method"][0].tune.extend == 2
+    for change, words in [
+        ({"extend": -1}, "tune.extend: expected a number of extensions ≥ 0"),
+        ({"extend": True}, "tune.extend: expected a number of extensions ≥ 0"),
+        ({"scale": {"model.lr": "exp"}}, "scale.model.lr: expected log or linear"),
+        ({"bounds": {"model.lr": [1, 0]}}, "bounds.model.lr: expected [low, high]"),
+    ]:
+        bad = extending(2, [0.01, 0.05], [0.0, 0.1])
+        bad["tune"].update(change)
+        with pytest.raises(ExperimentError, match=re.escape(words)):
+            parse_experiment(bad)
+    bad = extending(2, [0.01, 0.05], [0.0, 0.1])
+    bad["axes"]["method"]["fedprox"]["tune"]["extend"] = 3
+    with pytest.raises(ExperimentError, match="extend is set once, at the top level"):
+        parse_experiment(bad)
+    bad = extending(2, [0.01, 0.05], [0.0, 0.1])
+    bad["axes"]["method"]["fedprox"]["tune"]["scale"] = {"model.momentum": "log"}
+    with pytest.raises(ExperimentError, match="not a key of this method's grid"):
+        parse_experiment(bad)
+
+
+@pytest.mark.slow
+def test_the_runner_extends_an_edge_winner_with_real_runs(tmp_path):
+    """Through ``python -m fl_lightning.experiment run`` (FedAvg, 2 rounds, lr grid [0.001, 0.002], extend 1): the
+    winner of the base grid is on an edge (a 2-point grid has no interior), so one point outward runs with both tuning
+    seeds; the choice is the best mean of last10 over all 3 points (recomputed from the runs' history.json), and a
+    winner left on an edge is flagged in tune.json and in the table's "chosen" column."""
+    data = tuned("grown", tune={"seeds": [100, 101], "val_fraction": 0.25, "extend": 1})
+    data["axes"]["method"]["fedavg"]["tune"]["grid"]["model.lr"] = [0.001, 0.002]
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    out = tmp_path / "runs" / "grown"
+    points = sorted(p.name for p in (out / "tune" / "fedavg").iterdir())
+    assert len(points) == 3 and {"lr=0.001", "lr=0.002"} < set(points)
+    means = {}
+    for point in points:
+        values = [last10(json.loads((out / "tune" / "fedavg" / point / f"s{s}" / "history.json").read_text()))
+                  for s in (100, 101)]  # fmt: skip
+        means[point] = statistics.fmean(values)
+    record = json.loads((out / "tune.json").read_text())[0]
+    best = max(means, key=means.get)
+    assert record["chosen"] == best and record["trials"] == 6 and record["means"] == pytest.approx(means)
+    lrs = sorted(float(p.split("=")[1]) for p in points)
+    on_edge = float(best.split("=")[1]) in (lrs[0], lrs[-1])
+    assert bool(record["edges"]) == on_edge
+    row = next(line for line in (out / "table.md").read_text().splitlines() if line.startswith("| fedavg"))
+    if on_edge:
+        assert f"[edge: {best} at the " in row and "edge (budget (1 extension))]" in row
+    else:
+        assert "[edge:" not in row
