@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Protocol
 
 import torch
@@ -310,9 +311,19 @@ def save_state(opt: torch.optim.Optimizer, leaves: Params, kept: Params, steps: 
     return out
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether parameter ``name`` falls under ``pattern``: a name prefix (``head.``; ``""`` matches everything), or,
+    when the pattern has a wildcard (``*``, ``?``, ``[``), a glob that matches the name or one of its dotted prefixes
+    (``*.lora_B`` matches ``body.lm.….query.lora_B.default.weight``; ``classifier.*`` matches ``classifier.weight``)."""
+    if not any(c in pattern for c in "*?["):
+        return name.startswith(pattern)
+    parts = name.split(".")
+    return any(fnmatchcase(".".join(parts[:k]), pattern) for k in range(len(parts), 0, -1))
+
+
 def select(names: Sequence[str], prefixes: Sequence[str]) -> list[str]:
-    """Names that start with any of ``prefixes`` (``""`` selects everything)."""
-    return [n for n in names if any(n.startswith(p) for p in prefixes)]
+    """Names under any of ``prefixes`` (``name_matches``: prefixes or glob patterns; ``""`` selects everything)."""
+    return [n for n in names if any(name_matches(n, p) for p in prefixes)]
 
 
 def loss_fn_for(num_classes: int | None) -> Callable[[Tensor, Tensor], Tensor]:
@@ -496,6 +507,7 @@ class ClientContext:
         self.round, self.seed, self.step_budget = round_idx, seed, step_budget
         self.channels_last = channels_last  # conv speed-up used by the vectorized executor; same values
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
+        self.frozen_names = frozenset(n for n, p in net.named_parameters() if not p.requires_grad)
         #: the mean minibatch loss of the last ``sgd`` phase (a 0-d tensor on the data's device)
         self.train_loss: Tensor | float = 0.0
         #: the minibatch steps the last ``sgd`` phase took (a 0-d tensor)
@@ -593,7 +605,8 @@ class ClientContext:
         dict (buffers such as BatchNorm statistics updated as the forward passes update them); ``params`` is not
         modified. ``train_loss`` and ``steps_taken`` describe the phase.
         """
-        out = {n: t.detach().clone() for n, t in params.items()}
+        # parameters frozen in the network (a pretrained base under LoRA adapters) never change: not copied
+        out = {n: t.detach() if n in self.frozen_names else t.detach().clone() for n, t in params.items()}
         if self.channels_last:
             out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
         collect = None if objective is None else objective.collect

@@ -320,7 +320,8 @@ class FederatedModule(L.LightningModule):
         """Apply the cohort's mean update; stop with a checkpoint if the model turned non-finite."""
         if sums.stats.survivors == 0:
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
-        backup = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        keep_all = getattr(self.algorithm, "updates_frozen", False)  # no copy of a frozen base that never changes
+        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep_all}
         self.algorithm.num_aggregated = int(sums.stats.survivors)
         mean = sums.mean_update(template) if self.privacy is None else self.privacy.mean_update(sums, template)
         aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, round_idx)
