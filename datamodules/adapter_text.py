@@ -104,7 +104,7 @@ class TextClassificationDataModule(FederatedDataModule):
         if self.format == "hf":
             folder = root / f"client_{client}"
             if not folder.is_dir():
-                raise ConfigError(f"data.path {root}: no folder client_{client} (format hf, {self.num_clients} clients)")
+                raise ConfigError(f"data.path {root}: no folder client_{client} (format hf)")
             return _records_hf(folder, split)
         file = root / f"local_{'training' if split == 'train' else 'test'}_{client}.json"
         if not file.is_file():
@@ -114,7 +114,8 @@ class TextClassificationDataModule(FederatedDataModule):
     def _column(self, records: list[dict[str, Any]], column: str, where: str) -> list[Any]:
         missing = next((i for i, r in enumerate(records) if column not in r), None)
         if missing is not None:
-            raise ConfigError(f"data: record {missing} of {where} has no field '{column}' (fields: {sorted(records[missing])})")
+            fields = sorted(records[missing])
+            raise ConfigError(f"data: record {missing} of {where} has no field '{column}' (fields: {fields})")
         return [r[column] for r in records]
 
     def build(self) -> FederatedData:

@@ -67,4 +67,4 @@ from fl_lightning.algorithms.flora import FLoRA  # noqa: E402
 
 #: issue 43: methods for LoRA adapters on a pretrained model (``fl_lightning.models.LoRAClassifier``); kept out of
 #: ``__all__``, whose every entry the property tests run on the digits networks, which have no adapters
-ADAPTER_METHODS = ("FFALoRA", "FLoRA", "FedDPA", "FedIT", "FedSALoRA")
+ADAPTER_METHODS = (FFALoRA, FLoRA, FedDPA, FedIT, FedSALoRA)

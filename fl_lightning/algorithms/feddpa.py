@@ -61,9 +61,10 @@ class FedDPA(Algorithm):
     def check_compatible(self, net: nn.Module, num_classes: int | None) -> None:
         adapters = tuple(getattr(net, "adapters", ()))
         if self.global_adapter not in adapters or self.local_adapter not in adapters:
+            pair = f"[{self.global_adapter}, {self.local_adapter}]"
             raise ConfigError(
-                f"FedDPA needs a network with adapters [{self.global_adapter}, {self.local_adapter}] (has "
-                f"{list(adapters)}); set model.network.init_args.adapters: [{self.global_adapter}, {self.local_adapter}]"
+                f"FedDPA needs a network with adapters {pair} (has {list(adapters)}); "
+                f"set model.network.init_args.adapters: {pair}"
             )
 
     def _weights(self, net: nn.Module, local: Tensor | float):

@@ -40,5 +40,6 @@ def lora_layers(net: nn.Module) -> dict[str, tuple[str, str, str, float]]:
         if isinstance(lora_a, nn.ModuleDict) and isinstance(scaling, dict):
             for adapter in lora_a:
                 a = f"{prefix}.lora_A.{adapter}.weight"
-                out[a] = (a, f"{prefix}.lora_B.{adapter}.weight", f"{prefix}.base_layer.weight", float(scaling[adapter]))
+                b, base = f"{prefix}.lora_B.{adapter}.weight", f"{prefix}.base_layer.weight"
+                out[a] = (a, b, base, float(scaling[adapter]))
     return out

@@ -197,7 +197,9 @@ class FederatedModule(L.LightningModule):
         self.fed = fed
         glob = self.global_params()
         self.algorithm.check_compatible(self.net, fed.num_classes)
-        self.algorithm.set_frozen([n for n, p in self.net.named_parameters() if not p.requires_grad])
+        frozen = [n for n, p in self.net.named_parameters() if not p.requires_grad]
+        frozen += list(getattr(self.net, "constant_buffers", ()))  # buffers a network says never change
+        self.algorithm.set_frozen(frozen)
         check_algorithm_fits(self.algorithm, self.net, glob, self.aggregation)
         if self.bank is None or self.bank.num_clients != fed.num_clients:
             self.algorithm.setup(glob, fed.num_clients)

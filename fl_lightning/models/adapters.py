@@ -233,6 +233,8 @@ class LoRAClassifier(SplitModel):
         #: checkpoints hold the adapters and the head only; the frozen base is rebuilt from its source on resume
         #: (``engine.checkpoint``: a fingerprint of each base tensor refuses another base)
         self.checkpoint_frozen = False
+        #: the transformer's buffers (position and token-type ids) are constants: never uploaded nor sent
+        self.constant_buffers = tuple(f"body.{n}" for n, _ in body.named_buffers())
 
     @property
     def adapters(self) -> tuple[str, ...]:

@@ -19,8 +19,10 @@ LR, MOMENTUM = 0.1, 0.5
 
 def context(net: nn.Module, x, y, client: int = 3, round_idx: int = 0, seed: int = 0):
     opt = ClientOptimizer(lr=LR, momentum=MOMENTUM, batch_size=10_000)
-    return client_context(net, x, y, client=client, optimizer=opt, loss=F.cross_entropy,
-                          generator=make_generator(seed, "t", round_idx, client), round_idx=round_idx, seed=seed)  # fmt: skip
+    gen = make_generator(seed, "t", round_idx, client)
+    return client_context(
+        net, x, y, client=client, optimizer=opt, loss=F.cross_entropy, generator=gen, round_idx=round_idx, seed=seed
+    )
 
 
 def params_of(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -37,11 +39,11 @@ def loaded(net: nn.Module, values: dict[str, torch.Tensor]) -> nn.Module:
 
 
 def reference_sgd(net: nn.Module, start: dict, x, y, trains: Callable[[str], bool], epochs: int,
-                  forward: Callable | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                  forward: Callable | None = None, lr: float = LR) -> dict[str, torch.Tensor]:  # fmt: skip
     """``epochs`` full-batch momentum-SGD steps (torch.optim.SGD) on the parameters ``trains`` picks."""
     net = loaded(net, start)
     chosen = [p for n, p in net.named_parameters() if trains(n)]
-    opt = torch.optim.SGD(chosen, lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD(chosen, lr=lr, momentum=MOMENTUM)
     for _ in range(epochs):
         opt.zero_grad()
         out = net(x) if forward is None else forward(net, x)
@@ -59,5 +61,6 @@ def prepared(algorithm, net: nn.Module):
     """As the engine prepares an algorithm (``FederatedModule.attach_data``): its network check, then the frozen
     base named (``Algorithm.set_frozen``)."""
     algorithm.check_compatible(net, 2)
-    algorithm.set_frozen([n for n, p in net.named_parameters() if not p.requires_grad])
+    frozen = [n for n, p in net.named_parameters() if not p.requires_grad]
+    algorithm.set_frozen(frozen + list(net.constant_buffers))
     return algorithm
