@@ -130,7 +130,7 @@ class TextClassificationDataModule(FederatedDataModule):
                 sizes.append(len(records))
             splits[split] = (texts, labels, sizes)
         label_ids = self._label_ids(splits["train"][1] + splits["test"][1], splits["train"][1])
-        num_classes = self.num_classes or len(label_ids)
+        num_classes = self.num_classes or (max(label_ids.values()) + 1 if label_ids else 0)
         tok = load_tokenizer(self.tokenizer)
         tensors = {}
         for split, (texts, labels, sizes) in splits.items():

@@ -1200,3 +1200,17 @@ def test_factory_name_names_the_class_a_factory_builds() -> None:
     assert factory_name(functools.partial(torch.optim.RMSprop, lr=0.1)) == "RMSprop"
     assert factory_name(functools.partial(instantiate, torch.optim.Adagrad, lr=0.1)) == "Adagrad"
     assert factory_name("adam") == repr("adam")
+
+
+def test_name_matches_prefixes_and_glob_patterns():
+    """``client.name_matches``: a plain prefix as before; a pattern with a wildcard matches the name or one of its
+    dotted prefixes (LoRA names: ``….query.lora_B.default.weight``)."""
+    from fl_lightning.client import name_matches, select
+
+    b = "body.lm.base_model.model.encoder.layer.0.attention.self.query.lora_B.default.weight"
+    assert name_matches(b, "body.") and name_matches(b, "") and not name_matches(b, "head.")
+    assert name_matches(b, "*.lora_B") and not name_matches(b, "*.lora_A") and not name_matches(b, "lora_B")
+    assert name_matches(b, "*.layer.0.*") and not name_matches(b, "*.layer.1.*")
+    assert name_matches("head.weight", "head.*") and not name_matches("headx.weight", "head.*")
+    assert name_matches("classifier.weight", "classifier.*") and name_matches(b, "*.lora_[AB]")
+    assert select(["head.weight", b, "body.x"], ["*.lora_B", "head."]) == ["head.weight", b]
