@@ -72,7 +72,9 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def _build_backbone(model: str | None, config: Mapping[str, Any] | None, base_dropout: float) -> nn.Module:
+def _build_backbone(
+    model: str | None, config: Mapping[str, Any] | None, base_dropout: float, layers: int | None = None
+) -> nn.Module:
     from transformers import AutoConfig, AutoModel
 
     if (model is None) == (config is None):
@@ -87,9 +89,21 @@ def _build_backbone(model: str | None, config: Mapping[str, Any] | None, base_dr
     for field in DROPOUT_FIELDS:
         if isinstance(getattr(hf_config, field, None), float):
             setattr(hf_config, field, base_dropout)
+    if layers is not None:  # keep the first ``layers`` transformer layers (their pretrained weights)
+        have = getattr(hf_config, "num_hidden_layers", None)
+        if have is None or not 1 <= layers <= have:
+            raise ConfigError(f"model.network.layers {layers}: the model has {have} layers")
+        hf_config.num_hidden_layers = layers
     if config is not None:
         return AutoModel.from_config(hf_config)
-    return AutoModel.from_pretrained(resolve_model_path(model), config=hf_config)
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the load report lists the layers that ``layers`` leaves out
+    try:
+        return AutoModel.from_pretrained(resolve_model_path(model), config=hf_config)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def lora_pairs(net: nn.Module, adapter: str | None = None) -> list[tuple[str, str, str]]:
@@ -125,6 +139,7 @@ class PooledLoRAEncoder(nn.Module):
         pooling: Literal["mean", "cls", "last"] = "mean",
         pad_token_id: int | None = None,
         base_dropout: float = 0.0,
+        layers: int | None = None,
     ) -> None:
         super().__init__()
         from peft import LoraConfig, get_peft_model
@@ -133,7 +148,7 @@ class PooledLoRAEncoder(nn.Module):
             raise ConfigError(f"model.network.rank must be ≥ 1, got {rank}")
         if not adapters:
             raise ConfigError("model.network.adapters must name at least one adapter")
-        backbone = _build_backbone(model, config, base_dropout)
+        backbone = _build_backbone(model, config, base_dropout, layers)
         pad = pad_token_id if pad_token_id is not None else getattr(backbone.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.pooling = pooling
@@ -207,6 +222,8 @@ class LoRAClassifier(SplitModel):
         rank, alpha, lora_dropout, target_modules: peft's ``LoraConfig`` (``target_modules`` None: peft's default
             for the architecture, e.g. BERT's query and value).
         pooling, pad_token_id, base_dropout: see ``PooledLoRAEncoder``.
+        layers: keep only the first ``layers`` transformer layers of the checkpoint (their pretrained weights; a
+            cheaper, truncated model); None keeps all.
     """
 
     def __init__(
@@ -222,9 +239,10 @@ class LoRAClassifier(SplitModel):
         pooling: Literal["mean", "cls", "last"] = "mean",
         pad_token_id: int | None = None,
         base_dropout: float = 0.0,
+        layers: int | None = None,
     ) -> None:
         body = PooledLoRAEncoder(model, config, adapters, rank, alpha, lora_dropout, target_modules, pooling,
-                                 pad_token_id, base_dropout)  # fmt: skip
+                                 pad_token_id, base_dropout, layers)  # fmt: skip
         hidden = int(body.lm.base_model.model.config.hidden_size)
         super().__init__(body, nn.Linear(hidden, num_labels))
         #: the stacked path would copy nothing of the base, but vmap over a Hugging Face model is not proven here:
