@@ -77,7 +77,8 @@ def write_data(root: Path, seed: int = 0) -> Path:
     rng = random.Random(seed)
     for c in range(CLIENTS):
         train, test = sentences(c, TRAIN, rng), sentences(c, TEST, rng)
-        DatasetDict(train=Dataset.from_list(train), test=Dataset.from_list(test)).save_to_disk(str(root / f"client_{c}"))
+        splits = DatasetDict(train=Dataset.from_list(train), test=Dataset.from_list(test))
+        splits.save_to_disk(str(root / f"client_{c}"))
     return root
 
 

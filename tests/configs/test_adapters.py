@@ -26,11 +26,13 @@ def test_the_example_covers_every_shipped_method():
 def test_each_adapter_config_runs(method, tmp_path):
     data = write_clients_hf(tmp_path / "data", clients=4, train=6, test=4)
     tok = write_tokenizer(tmp_path / "tok")
-    args = ["--config", str(ROOT / "configs/adapters/base.yaml"), "--config", str(ROOT / f"configs/adapters/{method}.yaml"),
+    configs = ["--config", str(ROOT / "configs/adapters/base.yaml")]
+    configs += ["--config", str(ROOT / f"configs/adapters/{method}.yaml")]
+    args = [*configs,
             "--model.network.init_args.model", "null", "--model.network.init_args.layers", "null",
             "--model.network.init_args.config", json.dumps(tiny_config()),
-            "--data.init_args.path", str(data), "--data.init_args.tokenizer", str(tok),
-            "--data.init_args.num_clients", "4", "--data.init_args.clients_per_round", "2", "--data.init_args.max_length", "8",
+            "--data.init_args.path", str(data), "--data.init_args.tokenizer", str(tok), "--data.init_args.num_clients",
+            "4", "--data.init_args.clients_per_round", "2", "--data.init_args.max_length", "8",
             "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
             "--run_dir", str(tmp_path / "run")]  # fmt: skip
     assert train_here(args) == 0
