@@ -5,8 +5,9 @@
 * ``digits_fedrep``: FedRep on the quickstart split (``configs/quickstart.yaml``: 20 digits clients, 4 per round,
   10 head + 1 body epochs, batch 10, DigitsMLP), ``--seeds`` seeds. Reference: the seeds' ``train.py`` runs one
   after another in this process (``fl_lightning.cli.train_config``), with ``--model.executor sequential`` and
-  with ``--model.executor vectorized``; then the same runs as one batched job (``fl_lightning.engine.run_axis``). Each
-  seed's final and last-10 accuracy must equal its solo run's (the table shows the largest difference).
+  with ``--model.executor vectorized``; then the same runs as one batched job
+  (``fl_lightning.experiment.run_axis``). Each seed's final and last-10 accuracy must equal its solo run's (the
+  table shows the largest difference).
 * ``mixed_regression``: spec 001's simulation (``experiments.mixed_regression``) for 20 seeds, one seed after
   another vs all seeds as one batched job (``run_seeds``), with the largest difference of any number; each job's
   CPU seconds per seed are also split into its compute-heavy parts (``time_parts``: client SVDs, Phase 1,
@@ -56,8 +57,8 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
 
 def digits_fedrep(args: argparse.Namespace, records: list, rows: list) -> None:
     from fl_lightning.cli import train_config
-    from fl_lightning.engine.run_axis import BatchedRuns
-    from fl_lightning.engine.run_axis.__main__ import seed_runs
+    from fl_lightning.experiment.run_axis import BatchedRuns
+    from fl_lightning.experiment.run_axis.__main__ import seed_runs
 
     rounds = 10 if args.quick else args.rounds
     seeds = list(range(args.seeds))

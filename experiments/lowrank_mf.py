@@ -9,7 +9,7 @@ the same arguments as ``datamodules.LowRankDataModule`` (docs/generators.md).
 All runs are float64 and use the math of the engine algorithms (``fl_lightning.algorithms.lowrank_power``,
 ``alternating_gd``) on the stacked matrix S: V is shared and γ is the same for every client, so the
 clients' GD steps on their own row blocks are the rows of one GD step on S (spec 003 §7), and the
-secure sums Σᵢ SⁱᵀΦⁱ are SᵀΦ. ``tests/test_lowrank_mf.py`` checks the engine runs against the same math.
+secure sums Σᵢ SⁱᵀΦⁱ are SᵀΦ. ``tests/experiments/test_lowrank_mf.py`` checks the engine runs against the same math.
 
 Parts: (1) Fig 2 — 50 Φ draws, α ∈ {0, 1}, exact solution vs 1000 GD steps, noise 0 and 1e-6;
 (2) Fig 3(a) — best of m = 20 Φ, noise 1e-6, 200 steps, ± Nesterov; (3) noise-free best-of-m linear

@@ -13,7 +13,7 @@ minutes; the seeds of a setting run as one batched job (``run_seeds``, the same 
 and the same cluster choices as ``run_seed`` one seed after another, which ``--seed_loop`` runs; several times
 faster, as ``benchmarks/batched_runs.py`` measures: it shares the clients' SVDs and cluster-sum terms between methods,
 proves most assignments unchanged instead of recomputing them, and computes Phase 1's pair moments once per seed
-at θ₀ and with symmetric rank updates). ``tests/test_mixed_regression.py`` checks that the engine runs
+at θ₀ and with symmetric rank updates). ``tests/experiments/test_mixed_regression.py`` checks that the engine runs
 (``train.py``) give the same θ as these simulations. The metric is d(θ̂, θ*) (spec 001 eq. (6)); success = final
 error ≤ 2× the oracle's on the same draw (issue 6).
 
@@ -314,7 +314,7 @@ class SeedsFedX:
     computed by ``cluster_residuals`` (``assign_clusters``' residuals), but only when bounds cannot prove it
     unchanged (``round``). So the assignments are those of the seed's own ``AffineFedX`` (unless two residuals tie
     to rounding), and θ equals its θ up to float64 rounding (the sums are taken in another order;
-    ``tests/test_mixed_regression_seeds.py``)."""
+    ``tests/experiments/test_mixed_regression.py::test_batched_seeds_equal_the_per_seed_loop``)."""
 
     def __init__(self, per_seed: list[AffineFedX]) -> None:
         groups = range(len(per_seed[0].groups))
@@ -776,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.seed_loop:
             results[label] = {s: run_seed(name, s, args.rounds, args.lr, args.local_steps, **common)
                               for s in range(args.seeds)}  # fmt: skip
-        else:  # every seed as one batched job: the same numbers up to rounding (tests/test_mixed_regression_seeds.py)
+        else:  # all seeds as one batched job, the same numbers to rounding (tests/experiments/test_mixed_regression.py)
             results[label] = run_seeds(name, list(range(args.seeds)), args.rounds, args.lr, args.local_steps, **common)
         print(f"{label}: {args.seeds} seeds done ({time.perf_counter() - start:.0f} s)", flush=True)
     rows, records = summarise(results)

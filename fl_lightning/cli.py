@@ -12,6 +12,7 @@ torch or Lightning; everything heavy is imported where it is used.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_lightning.errors import ConfigError, check_config_files, one_line
+from fl_lightning.identity import identity_differences
 
 SUBCOMMANDS = ("fit", "validate", "test")
 
@@ -354,38 +356,10 @@ def guard_run_dir(
     return ckpt_path
 
 
-#: what a resume may change: the length of the run, logging, W&B, callbacks (early stopping, extra checkpoints,
-#: monitors) and where things are written (none of it changes the numbers of the rounds trained)
-RESUME_MAY_CHANGE = ("trainer.max_steps", "trainer.max_time", "trainer.callbacks", "trainer.profiler",
-                     "trainer.enable_progress_bar",
-                     "trainer.enable_model_summary", "trainer.log_every_n_steps", "trainer.logger",
-                     "trainer.default_root_dir", "trainer.enable_checkpointing", "ckpt_path", "run_dir", "config",
-                     "checkpoint_every", "overwrite", "wandb", "print_config", "__path__")  # fmt: skip
-
-
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as ``{dotted.key: leaf}`` (``init_args`` levels left out of the names; lists are leaves)."""
-    if not isinstance(node, dict):
-        return {prefix: node}
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        name = prefix if key == "init_args" else f"{prefix}.{key}" if prefix else str(key)
-        out.update(flatten(value, name) if isinstance(value, dict) and value else {name: value})
-    return out
-
-
 def config_differences(saved: dict[str, Any], config: dict[str, Any]) -> list[str]:
-    """``key saved -> new`` for every setting that differs and is not in :data:`RESUME_MAY_CHANGE` (a key that only
-    one side has, e.g. an option added to the code since the run started, is not compared)."""
-    old, new = flatten(saved), flatten(config)
-    out = []
-    for key in dict.fromkeys([*old, *new]):
-        if any(key == p or key.startswith(p + ".") for p in RESUME_MAY_CHANGE) or key not in old or key not in new:
-            continue
-        a, b = old.get(key), new.get(key)
-        if a != b and not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)):
-            out.append(f"{key} {json.dumps(a)} -> {json.dumps(b)}")
-    return out
+    """``key saved -> new`` for every identity leaf (``fl_lightning.identity``) that differs (a key that only one
+    side has, e.g. an option added to the code since the run started, is not compared)."""
+    return identity_differences(saved, config, only_shared=True)
 
 
 def check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
@@ -467,25 +441,6 @@ def before_the_end(ckpt: str, run_dir: Path, max_steps: int) -> str | None:
     return start
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain-text table of run summaries."""
-    headers = ["algorithm", "metric", "final", "last10", "rounds", "wall_s"]
-    extra = list(dict.fromkeys(k for r in rows for k in r if k not in headers))  # dist_B, new_clients_*, mf/…
-    headers += extra
-    cells = [[_fmt(r.get(h, "")) for h in headers] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e-2 and v != 0 else f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)
-
-
 def split_subcommand(args: list[str]) -> tuple[str, list[str]]:
     """``[fit|validate|test] rest…`` → (subcommand, rest); no subcommand means ``fit``."""
     if args and args[0] in SUBCOMMANDS:
@@ -509,11 +464,27 @@ class _DropNoise:
         return not str(record.getMessage()).startswith(self.NOISE)
 
 
+class CurrentStderr(logging.StreamHandler):
+    """A console handler that writes to ``sys.stderr`` as it is when a record comes, not as it was when the handler
+    was made: each run of a process (the experiment runner's runs, the run axis' threads) prints its lines to its
+    own log, first run or last."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler sets it once; the current sys.stderr is read instead
+        pass
+
+
 def quiet_console() -> None:
     """Silence what a normal run would print that is not about the user's config: Lightning's product tips,
     a deprecation inside Lightning, the manual-optimisation checkpoint lecture (the post-step state is the
     right state for a round), and 'not available' device lines."""
-    import logging
     import warnings
 
     for pattern in (
@@ -526,8 +497,8 @@ def quiet_console() -> None:
     import lightning.pytorch  # noqa: F401 - Lightning gives its loggers their console handlers when imported
 
     engine_log = logging.getLogger("fl_lightning")  # the engine's choices (executor: …) and warnings, one line each
-    if not engine_log.handlers:
-        console = logging.StreamHandler()
+    if not any(isinstance(h, CurrentStderr) for h in engine_log.handlers):
+        console = CurrentStderr()
         console.setFormatter(logging.Formatter("%(message)s"))
         engine_log.addHandler(console)
         engine_log.setLevel(logging.INFO)
@@ -553,7 +524,7 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
 
 def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]:
     """Parse; fit (print the result table, return the run summary) or validate/test a checkpoint (print and
-    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.engine.run_axis``)."""
+    return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.experiment.run_axis``)."""
     stage, args = split_subcommand(list(sys.argv[1:] if args is None else args))
     check_config_files(args)
     from jsonargparse import ArgumentError
@@ -608,14 +579,17 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
 def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
     """Train; at the end (only when the last round was reached) write ``summary.json`` whole, ``history.json`` and
     ``clients.csv``, and send the summary and the per-client table to W&B. ``fast_dev_run`` writes nothing."""
+    from fl_lightning.engine.summary import what_ran
     from fl_lightning.loggers import log_run_end, write_clients_csv
+    from fl_lightning.results import summary_table
 
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt)
     summary = dict(cli.model.summary)
     trial = bool(cli.trainer.fast_dev_run)
     if cli.trainer.is_global_zero and summary:
         print()
-        print(format_table([summary]))
+        print(summary_table([summary]))
+        summary["ran"] = what_ran(cli.model)  # the path and the batched job, in summary.json and W&B's config
         clients = cli.model.final_clients.rows() if cli.model.final_clients is not None else None
         stopped_early = cli.model.rounds_trained < cli.trainer.max_steps  # EarlyStopping, max_time, …
         if stopped_early:
@@ -637,8 +611,10 @@ def _evaluate(cli: Any, stage: str, ckpt: str) -> dict[str, Any]:
     result: dict[str, Any] = {k: float(v) for k, v in (logged[0] if logged else {}).items()}
     result = {"stage": stage, "checkpoint": ckpt, **result, "round": cli.model.rounds_trained - 1}
     if cli.trainer.is_global_zero:
+        from fl_lightning.results import summary_cell
+
         width = max(len(k) for k in result)
-        print("\n".join(f"{k.ljust(width)}  {_fmt(v)}" for k, v in result.items()))
+        print("\n".join(f"{k.ljust(width)}  {summary_cell(v)}" for k, v in result.items()))
         path = cli.run_dir / f"{stage}.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"{stage}: {path}")

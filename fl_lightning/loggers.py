@@ -99,7 +99,7 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
 def logged_offline(run_dir: Path, run_id: str) -> dict[int, set[str]]:
     """What the earlier processes of W&B run ``run_id`` already wrote into ``run_dir/wandb/offline-run-*``: the
     metric keys of every ``trainer/global_step``."""
-    from fl_lightning.experiment.wandb_files import offline_runs
+    from fl_lightning.wandb_files import offline_runs
 
     done: dict[int, set[str]] = {}
     if not (run_dir / "wandb").is_dir():
@@ -214,7 +214,9 @@ def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, floa
     then the W&B run is finished (one W&B run per train.py run, also in one process)."""
     for logger in wandb_loggers(loggers):
         run = logger.experiment
-        run.summary.update({f"summary/{k}": v for k, v in summary.items()})
+        if "ran" in summary:  # the path that ran and the batched job it shared, beside the config that asked for it
+            run.config.update({"ran": summary["ran"]}, allow_val_change=True)
+        run.summary.update({f"summary/{k}": v for k, v in summary.items() if k != "ran"})
         if rows:
             columns = ["client", "samples", "accuracy", "loss"]
             logger.log_table("clients/final", columns=columns, data=[[r[c] for c in columns] for r in rows])

@@ -4,7 +4,7 @@ runner, the reproductions and the benchmarks."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +49,37 @@ def write_results(records: list[dict[str, Any]], out_dir: Path) -> Path:
     return path
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def cell(v: Any) -> str:
-        if isinstance(v, float):
-            if v != v:
-                return "-"
-            return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) or abs(v) >= 1e5 else f"{v:.4f}"
-        return str(v)
+def table_cell(v: Any) -> str:
+    """A cell of the reproductions' and benchmarks' tables: floats to 4 decimals, tiny or huge ones in exponent
+    notation, NaN as ``-``."""
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3e}" if (abs(v) < 1e-2 and v != 0) or abs(v) >= 1e5 else f"{v:.4f}"
+    return str(v)
 
+
+def summary_cell(v: Any) -> str:
+    """A cell of a run's summary table (``train.py``'s last lines): 4 significant digits below 0.01, 4 decimals
+    below 10, one decimal above."""
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e-2 and v != 0 else f"{v:.4f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+#: the first columns of a run's summary table, in this order; the summary's other keys follow
+SUMMARY_COLUMNS = ("algorithm", "metric", "final", "last10", "rounds", "wall_s")
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Run summaries as a table: ``SUMMARY_COLUMNS``, then every other key in order of appearance (``dist_B``,
+    ``new_clients_*``, ``mf/…``); a run without a key leaves its cell empty."""
+    headers = [*SUMMARY_COLUMNS, *dict.fromkeys(k for r in rows for k in r if k not in SUMMARY_COLUMNS)]
+    return format_table(headers, [[r.get(h, "") for h in headers] for r in rows], summary_cell)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], cell: Callable[[Any], str] = table_cell) -> str:
+    """A plain-text table: the headers, a rule, one line per row, columns padded to their widest cell."""
     cells = [[cell(v) for v in row] for row in rows]
     widths = [max(len(str(h)), *(len(c[i]) for c in cells)) if cells else len(str(h)) for i, h in enumerate(headers)]
     line = "  ".join(str(h).ljust(w) for h, w in zip(headers, widths))

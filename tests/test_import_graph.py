@@ -8,7 +8,11 @@ module of the project, else to ``a``; an import of something outside the project
 * ``fl_lightning/algorithms/`` and ``fl_lightning/client.py`` (what an algorithm author reads) import nothing from
   ``fl_lightning.engine``;
 * ``datamodules/`` import only the engine's public types (``ALLOWED_FOR_DATAMODULES``), never the CLI, the
-  experiment runner or the LightningModule.
+  experiment runner or the LightningModule;
+* between folders, arrows point down the layers of ``LAYERS`` (experiments and benchmarks → experiment runner → the
+  run's services and CLI → datamodules → engine → algorithms → models and metrics → the client contract), and the
+  graph of folders has no cycle either (issue 40: ``engine/`` imports nothing from ``cli``, ``experiment``,
+  ``experiments`` or ``benchmarks``; ``loggers.py`` nothing from ``experiment/``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fl_lightning", "datamodules")
+PACKAGES = ("fl_lightning", "datamodules", "experiments", "benchmarks")
+#: the layers, top first: a module may import its own layer's modules (no cycle between folders) and lower ones.
+#: A module is placed by the longest prefix that names it; a module no prefix names fails the test.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("experiments", "benchmarks"),  # the papers' reproductions and the benchmarks (outside the package)
+    ("fl_lightning.experiment",),  # the runner of many runs, and the run axis that batches them
+    ("fl_lightning.cli", "fl_lightning.callbacks", "fl_lightning.loggers", "fl_lightning.progress",
+     "fl_lightning.identity", "fl_lightning.sizes", "fl_lightning.config_checks", "fl_lightning.results",
+     "fl_lightning.wandb_files"),
+    ("datamodules",),
+    ("fl_lightning.engine", "fl_lightning.server_optimizers"),
+    ("fl_lightning.algorithms",),
+    ("fl_lightning.models", "fl_lightning.metrics"),
+    ("fl_lightning.client", "fl_lightning.errors", "fl_lightning"),
+)  # fmt: skip
 #: what a DataModule may import from ``fl_lightning`` (a module or any module under it)
 ALLOWED_FOR_DATAMODULES = (
     "fl_lightning.engine.client_data",
@@ -135,6 +153,36 @@ def layer_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return bad
 
 
+def layer_of(name: str) -> tuple[int, str]:
+    """(depth, folder) of module ``name``: depth 0 is the top layer; the folder is the longest prefix naming it."""
+    best: tuple[int, str] | None = None
+    for depth, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if under(name, prefix) and (best is None or len(prefix) > len(best[1])):
+                best = (depth, prefix)
+    if best is None:
+        raise AssertionError(f"{name} is in no layer of tests/test_import_graph.py LAYERS: place it there")
+    return best
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph between folders (``layer_of``'s prefixes): an arrow for every import across two of them."""
+    out: dict[str, set[str]] = {}
+    for source, targets in graph.items():
+        a = layer_of(source)[1]
+        out.setdefault(a, set())
+        for target in targets:
+            b = layer_of(target)[1]
+            if a != b:
+                out[a].add(b)
+    return out
+
+
+def arrows_up(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Every import from a module to a module of a higher layer."""
+    return {(s, t) for s, ts in graph.items() for t in ts if layer_of(t)[0] < layer_of(s)[0]}
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     return import_graph()
@@ -143,7 +191,7 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_sees_top_level_lazy_and_type_checking_imports(graph: dict[str, set[str]]) -> None:
     """The parser finds the arrows it must: a top-level ``from a import module``, a lazy import in a function."""
     assert {"fl_lightning.engine.executor", "fl_lightning.engine.aggregation"} <= graph["fl_lightning.engine.module"]
-    assert "fl_lightning.cli" in graph["fl_lightning.engine.run_axis.driver"]  # inside a function
+    assert "fl_lightning.cli" in graph["fl_lightning.experiment.run_axis.driver"]  # inside a function
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fl_lightning.engine.module import X\n"
     known = {"fl_lightning.engine.module": Path("m.py"), "fl_lightning.engine.evaluation": Path("e.py")}
     assert imports_of("fl_lightning.engine.evaluation", source, known) == {"fl_lightning.engine.module"}
@@ -203,3 +251,42 @@ def test_every_known_exception_is_still_an_arrow(graph: dict[str, set[str]]) -> 
     """An exception whose arrow is gone must leave the list (so that it cannot come back unnoticed)."""
     arrows = {(source, target) for source, targets in graph.items() for target in targets}
     assert KNOWN_EXCEPTIONS <= arrows
+
+
+def test_every_module_is_in_a_layer_and_no_arrow_goes_up(graph: dict[str, set[str]]) -> None:
+    assert arrows_up(graph) == set()
+
+
+def test_no_cycle_between_folders(graph: dict[str, set[str]]) -> None:
+    assert cycles(folder_graph(graph)) == []
+
+
+def test_the_engine_imports_nothing_above_it(graph: dict[str, set[str]]) -> None:
+    """Issue 40: the engine imports nothing of the CLI, the runner, the reproductions or the benchmarks, and the
+    loggers nothing of the runner (checked on the arrows themselves, not only through the layers)."""
+    above = ("fl_lightning.cli", "fl_lightning.experiment", "experiments", "benchmarks")
+    engine = {(s, t) for s, ts in graph.items() if under(s, "fl_lightning.engine") for t in ts}
+    assert {(s, t) for s, t in engine if any(under(t, a) for a in above)} == set()
+    assert not any(under(t, "fl_lightning.experiment") for t in graph["fl_lightning.loggers"])
+
+
+def test_the_folder_rules_catch_an_arrow_up_and_a_cycle_between_folders() -> None:
+    """On a graph written here: an engine module importing the runner is an arrow up; two folders of one layer
+    importing each other (through different files) are a cycle between folders though no file cycle exists."""
+    graph = {
+        "fl_lightning.engine.module": {"fl_lightning.experiment.runner", "fl_lightning.client"},
+        "fl_lightning.experiment.runner": {"fl_lightning.cli"},
+        "fl_lightning.cli": {"fl_lightning.loggers"},
+        "fl_lightning.loggers": {"fl_lightning.progress"},
+        "fl_lightning.progress": set(),
+        "fl_lightning.sizes": {"fl_lightning.cli"},
+        "fl_lightning.client": set(),
+    }
+    assert arrows_up(graph) == {("fl_lightning.engine.module", "fl_lightning.experiment.runner")}
+    assert cycles(folder_graph(graph)) == []
+    graph["fl_lightning.progress"] = {"fl_lightning.sizes"}
+    assert cycles(folder_graph(graph)) == [
+        ["fl_lightning.cli", "fl_lightning.loggers", "fl_lightning.progress", "fl_lightning.sizes"]
+    ]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("elsewhere.module")

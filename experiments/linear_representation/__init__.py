@@ -7,5 +7,5 @@
 * ``features``: the absolute cosine similarity of per-class features (spec 004 §4.2, Figure 4).
 
 The engine runs the same algorithms client by client (``fl_lightning.algorithms.LinearFedAvg``,
-``LinearFedRep``); ``tests/test_representation.py`` checks that both paths agree.
+``LinearFedRep``); ``tests/algorithms/test_representation.py`` checks that both paths agree.
 """

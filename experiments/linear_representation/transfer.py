@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, loss_fn_for
 
 
 def balanced_subset(y: Tensor, count: int, generator: torch.Generator) -> Tensor:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, make_generator
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
+from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 
@@ -66,7 +66,7 @@ class AlternatingGD(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {"V": global_params["V"]}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         v = global_params["V"]
         s, n = ctx.y.to(v.dtype), ctx.num_samples
         zeros = {"power": torch.zeros_like(self.power_vec), "grad_V": torch.zeros_like(v)}
@@ -83,12 +83,12 @@ class AlternatingGD(Algorithm):
         return ClientUpdate({**zeros, "grad_V": grad}, {"U": new_u}, 1, 0.5 * float(((s - u @ v.T) ** 2).sum()))
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx < self.sigma_rounds:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round < self.sigma_rounds:
             total = averaged_extra["power"] * self.num_clients  # SᵀS v
             norm = total.norm()
             self.power_vec.copy_(total / norm)
-            if round_idx == self.sigma_rounds - 1:
+            if facts.round == self.sigma_rounds - 1:
                 sigma = float(norm) ** 0.5
                 eta, dd = wk_constants(sigma, self.mu, self.c)
                 self.sigma.fill_(sigma)

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Gradient, Params
+from fl_lightning.client import Client, Gradient, Params
 from fl_lightning.errors import ConfigError
 
 LOCAL = "v."
@@ -52,7 +52,7 @@ class APFL(Algorithm):
     def client_model(self, global_params: Params, state: Params) -> Params:
         return mix(self.alpha, self.local_model(global_params, state), global_params)
 
-    def gradients(self, ctx: ClientContext, names: Sequence[str]) -> Gradient:
+    def gradients(self, ctx: Client, names: Sequence[str]) -> Gradient:
         """One minibatch's step direction for (w, v), both at the pre-step values: ∇_w f(w) and
         ∇_v f(αv + (1−α)w) (w held fixed in the mixture); the step's loss is the mixed model's."""
 
@@ -67,7 +67,7 @@ class APFL(Algorithm):
 
         return gradient
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         names = ctx.param_names
         local = self.local_model(global_params, state)
         params = {**global_params, **{LOCAL + n: t for n, t in local.items()}}

@@ -11,7 +11,7 @@ declare ``vectorizable = True``. An algorithm says:
 * ``state_prefixes``: name prefixes of other per-client state in the bank (Ditto's ``v.``); with ``personal`` they
   are what the ledger (``fl_lightning.engine.ledger``) refuses to see in an upload, whatever the code does;
 * ``reveals`` and ``state_dependent_uploads``: what an upload may tell the server about the client, in words and
-  as the upload names whose values may depend on the client's personal state (``tests/test_privacy.py``);
+  as the upload names whose values may depend on the client's personal state (``tests/properties/test_privacy.py``);
 * ``init_client_state``: the per-client state template (by default the personal parameters);
 * ``client_update``: one client's local work → what it uploads and its new state;
 * ``server_update``: optional extra server math after the weighted average is applied;
@@ -28,7 +28,7 @@ name (e.g. a control-variate delta) is averaged and handed to ``server_update``.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,16 @@ from torch.func import functional_call
 
 from fl_lightning.client import Client, Params, name_matches
 from fl_lightning.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """What the server knows of a round when ``server_update`` runs."""
+
+    round: int  #: the communication round
+    #: how many client uploads entered this round's average (all ranks; stragglers included, clients that failed or
+    #: sent non-finite values not)
+    num_aggregated: int
 
 
 @dataclass
@@ -46,7 +56,6 @@ class ClientUpdate:
     state: Params
     num_samples: int
     loss: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Algorithm(nn.Module):
@@ -60,7 +69,7 @@ class Algorithm(nn.Module):
     #: What a client's upload may tell the server beyond the model it received (one line; README table).
     reveals: str = ""
     #: Upload-name prefixes whose values may depend on the client's personal state (``""``: every upload). Every
-    #: other upload must be bit-identical whatever the client's state (tests/test_privacy.py perturbs it).
+    #: other upload must be bit-identical whatever the client's state (tests/properties/test_privacy.py perturbs it).
     state_dependent_uploads: tuple[str, ...] = ()
     #: Upload-name prefixes whose values may depend on the client's side information when the network has a
     #: side branch (``Concat``/``Mask``): by default every upload, since every gradient flows through it.
@@ -69,9 +78,6 @@ class Algorithm(nn.Module):
     needs_uniform_aggregation: bool = False
     #: False for closed-form client updates that would move a parameter frozen with ``requires_grad=False``.
     supports_frozen: bool = True
-    #: How many client uploads entered this round's average (all ranks; stragglers included, clients that
-    #: failed or sent non-finite values not). Set by the engine before ``server_update``.
-    num_aggregated: int = 0
     #: True when ``client_update`` uses only dict operations and the client contract (``fl_lightning.client.Client``),
     #: so the vectorized executor can run it on stacked parameters. Each class must declare it itself (it is not
     #: inherited).
@@ -157,8 +163,9 @@ class Algorithm(nn.Module):
     def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError
 
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        """Optional server math after aggregation; may modify ``global_params`` tensors in place."""
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        """Optional server math after aggregation; may modify ``global_params`` tensors in place. ``facts`` are the
+        round's (its index, how many uploads entered the average)."""
 
     def trained_names(self, params: Params) -> list[str]:
         """Every name of ``params`` except the frozen parameters (what a full-model upload carries)."""
@@ -209,10 +216,10 @@ class PersonalModels(Algorithm):
         )
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         """w̄ ← w̄ + (|S|/N)·mean_{i∈S} Δ_i: the global model stays the mean of all N personal models (only the
         cohort's changed; ``num_clients`` is set in ``setup``)."""
-        cohort = self.num_aggregated
+        cohort = facts.num_aggregated
         for n, t in global_params.items():
             if self.delta_prefix + n in averaged_extra:
                 t.add_(averaged_extra[self.delta_prefix + n].to(t.dtype), alpha=cohort / self.num_clients)

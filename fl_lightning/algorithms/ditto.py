@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, Penalty
+from fl_lightning.client import Client, Params, Penalty
 from fl_lightning.errors import ConfigError
 
 PERSONAL = "v."
@@ -47,7 +47,7 @@ class Ditto(Algorithm):
         """Its gradient λ(v − w^t), added to the minibatch gradient without an autograd pass through the term."""
         return {n: self.lam * (params[n] - anchor[n]) for n in anchor}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         w = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs)
         w = {n: w[n] for n in self.trained_names(w)}
         global_loss = ctx.train_loss
@@ -63,5 +63,4 @@ class Ditto(Algorithm):
             state={PERSONAL + n: v[n] for n in self.trained_names(v)},
             num_samples=ctx.num_samples,
             loss=global_loss,
-            metrics={"personal_loss": ctx.train_loss},
         )

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 LOCAL = "local."
@@ -120,7 +120,7 @@ class FedALA(Algorithm):
         return {**global_params, **{n: torch.where(started, mixed[n], global_params[n]) for n in top}}
 
     def learn_weights(
-        self, ctx: ClientContext, global_params: Params, local: Params, weights: Params, until_converged: bool
+        self, ctx: LoopClient, global_params: Params, local: Params, weights: Params, until_converged: bool
     ) -> Params:
         """W_i by clipped gradient descent on the loss of θ̂_i over a random s % of the client's data."""
         n = ctx.num_samples
@@ -147,7 +147,7 @@ class FedALA(Algorithm):
                 break
         return weights
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         top = self.top_names(global_params)
         runs = int(state[RUNS])
         weights = {n: state[WEIGHTS + n] for n in top}

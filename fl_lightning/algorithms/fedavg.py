@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params
 
 
 class FedAvg(Algorithm):
@@ -34,6 +34,6 @@ class FedAvg(Algorithm):
     def state_dependent_uploads(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("",) if self.personal else ()
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         params = ctx.sgd(self.client_model(global_params, state), ctx.param_names, self.local_epochs)
         return self.upload_shared(params, ctx, state, loss=ctx.train_loss)

@@ -27,7 +27,7 @@ FedBABU keeps no client state; the body's upload depends only on the global mode
 from __future__ import annotations
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params
 from fl_lightning.errors import ConfigError
 
 HEAD = "head."
@@ -58,7 +58,7 @@ class FedBABU(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return self.upload_template(global_params)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         params = ctx.sgd(dict(global_params), ctx.params_without((HEAD,)), self.local_epochs)
         upload = {n: params[n] for n in self.body_names(params)}
         return ClientUpdate(upload, {}, ctx.num_samples, loss=ctx.train_loss)

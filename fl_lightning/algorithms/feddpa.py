@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import Client, Params, make_generator
+from fl_lightning.client import Client, LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 REFS = "feddpa_refs"  #: the reference instances' embeddings, carried in the evaluated parameters ``[k, D]``
@@ -87,7 +87,7 @@ class FedDPA(Algorithm):
         with torch.no_grad(), net.adapter_weights({self.global_adapter: 0.0, self.local_adapter: 1.0}):
             return functional_call(net.body, {k[5:]: v for k, v in params.items() if k.startswith("body.")}, (x,))
 
-    def adapt_for_evaluation(self, ctx: Client, params: Params) -> Params:
+    def adapt_for_evaluation(self, ctx: LoopClient, params: Params) -> Params:
         """Attach the embeddings of the client's k reference training instances (a seeded choice)."""
         n = ctx.num_samples
         order = torch.randperm(n, generator=make_generator(ctx.seed, "feddpa", ctx.client))[: self.instances]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import Client, Params, Penalty
 from fl_lightning.errors import ConfigError
 
@@ -107,8 +107,8 @@ class FedDyn(Algorithm):
         return ClientUpdate(upload, new_state, ctx.num_samples, loss=ctx.train_loss)
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        h, share = self.server_state(), self.num_aggregated / self.num_clients
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        h, share = self.server_state(), facts.num_aggregated / self.num_clients
         for n, t in global_params.items():
             if DELTA + n not in averaged_extra:
                 continue

@@ -28,7 +28,7 @@ import math
 from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate, PersonalModels
-from fl_lightning.client import ClientContext, Params, Penalty
+from fl_lightning.client import Client, Params, Penalty
 
 LOCAL = "w."
 DELTA = "delta_w."
@@ -68,7 +68,7 @@ class FedMTL(PersonalModels):
     def regulariser(self, mean: Params, names: list[str]) -> Penalty:
         return Penalty(self.penalty, {n: mean[n] for n in names}, self.regulariser_gradient)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         w = self.client_model(global_params, state)
         mean = {n: global_params[n].detach() for n in ctx.param_names}
         new = ctx.sgd(w, ctx.param_names, self.local_epochs, penalty=self.regulariser(mean, ctx.param_names))

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.algorithms.representation import body_features, features_and_outputs, require_body
 from fl_lightning.client import Client, Objective, Params
 from fl_lightning.errors import ConfigError
@@ -147,11 +147,11 @@ class FedProto(Algorithm):
 
     # -- server --------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         """C̄^(j) = mean_i(|D_ij| C_i^(j)) / mean_i |D_ij| over the round's uploads, for the classes they hold."""
         if SUMS not in averaged_extra:
             return
         sums, counts = averaged_extra[SUMS], averaged_extra[COUNTS]
         held = counts > 0
         self.global_prototypes[held] = (sums[held] / counts[held, None]).to(self.global_prototypes.dtype)
-        self.prototype_counts[held] = (counts[held] * self.num_aggregated).to(self.prototype_counts.dtype)
+        self.prototype_counts[held] = (counts[held] * facts.num_aggregated).to(self.prototype_counts.dtype)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.algorithms.fedavg import FedAvg
-from fl_lightning.client import ClientContext, Params, Penalty
+from fl_lightning.client import Client, Params, Penalty
 from fl_lightning.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ class FedProx(Algorithm):
         """Its gradient μ(w − w^t), added to the minibatch gradient without an autograd pass through the term."""
         return {n: self.mu * (params[n] - anchor[n]) for n in anchor}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         start = self.client_model(global_params, state)
         anchor = {n: start[n].detach() for n in ctx.param_names}
         penalty = Penalty(self.proximal, anchor, self.proximal_gradient)

@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Client, Params
 
 
 class FedRep(Algorithm):
     vectorizable = True  # written only with ctx.sgd and dict operations
-    reveals = "the body after its epochs with the client's personal head frozen: the body update depends on that head"
-    state_dependent_uploads = ("",)
     reveals = "the body after its epochs with the client's personal head frozen: the body update depends on that head"
     state_dependent_uploads = ("",)
 
@@ -25,7 +23,7 @@ class FedRep(Algorithm):
         super().__init__(personal)
         self.head_epochs, self.body_epochs = head_epochs, body_epochs
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         params = self.client_model(global_params, state)
         params = ctx.sgd(params, ctx.params_with(self.personal), self.head_epochs)
         params = ctx.sgd(params, ctx.params_without(self.personal), self.body_epochs)

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.algorithms.lora_common import is_lora_a, is_lora_b, lora_layers, require_lora
-from fl_lightning.client import Client, Params, make_generator
+from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 DELTA = "delta."
@@ -69,7 +69,7 @@ class FLoRA(Algorithm):
 
     download_template = upload_template  # the merged update and the head
 
-    def fresh_adapter(self, ctx: Client, params: Params) -> Params:
+    def fresh_adapter(self, ctx: LoopClient, params: Params) -> Params:
         """A new LoRA module: A ~ U(±1/√d_in) (peft's ``kaiming_uniform_(a=√5)``), B = 0, rows/columns beyond the
         client's rank zero; drawn from the client's own stream ``(seed, "flora", round, client)``."""
         gen = make_generator(ctx.seed, "flora", ctx.round, ctx.client)
@@ -83,7 +83,7 @@ class FLoRA(Algorithm):
             out[b] = torch.zeros_like(params[b])
         return out
 
-    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         params = ctx.sgd(self.fresh_adapter(ctx, global_params), ctx.param_names, self.local_epochs)
         upload = {n: params[n] for n in self.shared_names(params)}
         for a, b, base, s in self.layers.values():
@@ -91,7 +91,7 @@ class FLoRA(Algorithm):
         return ClientUpdate(upload=upload, state={}, num_samples=ctx.num_samples, loss=ctx.train_loss)
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         """W ← W + Σ pᵢ s Bᵢ Aᵢ (the stacked product, merged as ``merge_and_unload`` does)."""
         for name, delta in averaged_extra.items():
             if name.startswith(DELTA):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -103,10 +103,10 @@ class IFCA(Algorithm):
         """Non-parameter upload keys of the warm-up rounds (zeros in Phase 2)."""
         return {}
 
-    def warmup_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def warmup_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         raise NotImplementedError
 
-    def choose_cluster(self, ctx: ClientContext, theta: Tensor) -> int:
+    def choose_cluster(self, ctx: LoopClient, theta: Tensor) -> int:
         return int(assign_clusters(ctx.x.to(theta.dtype)[None], ctx.y.to(theta.dtype)[None], theta)[0])
 
     # -- hooks ------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class IFCA(Algorithm):
         out.update(upload)
         return out
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         if ctx.round < self.warmup_rounds:
             return self.warmup_update(ctx, global_params, state)
         theta = global_params["theta"]

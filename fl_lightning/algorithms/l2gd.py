@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.base import ClientUpdate, PersonalModels
-from fl_lightning.client import ClientContext, Params, make_generator
+from fl_lightning.client import Client, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 LOCAL = "x."
@@ -69,7 +69,7 @@ class L2GD(PersonalModels):
                 f"L2GD: the aggregation step ηλ = αλ/(N(1−p)) = {self.mixing:.3g} must be in [0, 1]; lower alpha or lam"
             )
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         x = self.client_model(global_params, state)
         if self.aggregation_round(ctx.seed, ctx.round):
             a = self.mixing

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 Gradient = Literal["samples", "population"]
@@ -74,7 +74,7 @@ class LinearFedAvg(Algorithm):
                 global_params["body.weight"].copy_(q.T / self.step_size**0.5)
                 global_params["head.weight"].zero_()
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         bt, w = global_params["body.weight"].clone(), global_params["head.weight"].reshape(-1).clone()  # Bᵀ: k×d
         x, y, n = ctx.x, ctx.y, ctx.num_samples
         if self.targets is not None:

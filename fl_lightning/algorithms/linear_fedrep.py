@@ -29,9 +29,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.algorithms.linear_fedavg import Gradient, population_targets
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ class LinearFedRep(Algorithm):
     def state_dependent_uploads(self) -> tuple[str, ...]:  # type: ignore[override]
         return () if self.head_solver == "exact" else ("",)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         bt = global_params["body.weight"].clone()  # Bᵀ, k×d
         w = state["head.weight"].reshape(-1).clone().to(bt)  # k
         x, y, m = ctx.x, ctx.y, ctx.num_samples
@@ -124,7 +124,7 @@ class LinearFedRep(Algorithm):
             loss=loss,
         )
 
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         if self.orthonormalize:
             q = orthonormalize(global_params["body.weight"].T, self.positive_qr)
             global_params["body.weight"].copy_(q.T)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
+from fl_lightning.client import LoopClient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -131,7 +131,7 @@ class PowerInitLocalGD(Algorithm):
     def download_template(self, global_params: Params) -> Params:
         return {"V": global_params["V"]}
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         v = global_params["V"]
         s, n = ctx.y.to(v.dtype), ctx.num_samples
         if n > state["U"].shape[0]:
@@ -153,11 +153,11 @@ class PowerInitLocalGD(Algorithm):
         return ClientUpdate({"sketch": torch.zeros_like(self.candidates)}, {"U": new_u, "Y": new_y}, 1, losses[-1])
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx > self.alpha:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round > self.alpha:
             return
         self.candidates.copy_(averaged_extra["sketch"] * self.num_clients)  # the sum = N · mean
-        if round_idx == self.alpha:
+        if facts.round == self.alpha:
             kappas = torch.tensor([condition_number(c, self.kappa_rank) for c in self.candidates])
             self.kappa.copy_(kappas)
             global_params["V"].copy_(self.candidates[int(kappas.argmin())])

@@ -29,9 +29,9 @@ import torch
 from scipy.cluster.hierarchy import fcluster, linkage
 from torch import Tensor
 
-from fl_lightning.algorithms.base import ClientUpdate
+from fl_lightning.algorithms.base import ClientUpdate, RoundFacts
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.client import ClientContext, Params, make_generator
+from fl_lightning.client import LoopClient, Params, make_generator
 from fl_lightning.errors import ConfigError
 
 Pairing = Literal["all", "disjoint"]
@@ -247,7 +247,7 @@ class FedMD(IFCA):
         }
 
     # -- client side of Phase 1 -------------------------------------------------------------------------
-    def warmup_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def warmup_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         kind, t, s = self.phase(ctx.round)
         theta = global_params["theta"]
         x, y = ctx.x.to(theta.dtype), ctx.y.to(theta.dtype)
@@ -286,10 +286,10 @@ class FedMD(IFCA):
 
     # -- server side of Phase 1 -------------------------------------------------------------------------
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx >= self.warmup_rounds:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round >= self.warmup_rounds:
             return
-        kind, t, s = self.phase(round_idx)
+        kind, t, s = self.phase(facts.round)
         if kind == "register":
             candidates = (averaged_extra["eligible"] > 0).nonzero().flatten()
             if len(candidates) < self.h:

@@ -13,9 +13,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import ClientUpdate
+from fl_lightning.algorithms.base import ClientUpdate, RoundFacts
 from fl_lightning.algorithms.ifca import IFCA
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import LoopClient, Params
 
 
 def local_estimate(x: Tensor, y: Tensor) -> Tensor:
@@ -59,7 +59,7 @@ class OneShotClustering(IFCA):
             "estimate_mask": torch.zeros(self.num_clients, dtype=theta.dtype),
         }
 
-    def warmup_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def warmup_update(self, ctx: LoopClient, global_params: Params, state: Params) -> ClientUpdate:
         theta = global_params["theta"]
         est = torch.zeros(self.num_clients, theta.shape[1], dtype=theta.dtype)
         mask = torch.zeros(self.num_clients, dtype=theta.dtype)
@@ -69,12 +69,12 @@ class OneShotClustering(IFCA):
             self.complete({"estimates": est, "estimate_mask": mask}, global_params), dict(state), ctx.num_samples
         )
 
-    def choose_cluster(self, ctx: ClientContext, theta: Tensor) -> int:
+    def choose_cluster(self, ctx: LoopClient, theta: Tensor) -> int:
         return int(self.labels[ctx.client])
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
-        if round_idx != 0:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
+        if facts.round != 0:
             return
         mask = averaged_extra["estimate_mask"]
         estimates = averaged_extra["estimates"] / mask.clamp(min=1e-300).unsqueeze(-1)

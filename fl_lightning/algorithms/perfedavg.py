@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.func import grad, grad_and_value
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Gradient, Params
+from fl_lightning.client import Client, Gradient, Params
 from fl_lightning.errors import ConfigError
 
 
@@ -55,11 +55,11 @@ class PerFedAvg(Algorithm):
         self.adapt_lr = inner_lr if adapt_lr is None else adapt_lr
         self.adapt_steps = adapt_steps
 
-    def meta_gradient(self, ctx: ClientContext, w: Params, names: list[str], support, target) -> dict:
+    def meta_gradient(self, ctx: Client, w: Params, names: list[str], support, target) -> dict:
         """The HF (or first-order) Per-FedAvg gradient at w for one (D, D') pair of ``(x, y)`` batches."""
         return self.meta_step(ctx, w, names, (*support, None), (*target, None))[0]
 
-    def meta_step(self, ctx: ClientContext, w: Params, names: Sequence[str], support, target) -> tuple[Params, Tensor]:
+    def meta_step(self, ctx: Client, w: Params, names: Sequence[str], support, target) -> tuple[Params, Tensor]:
         """(the meta-gradient at w, f(w̃; D')) for ``(x, y, mask)`` batches D and D' (``mask``: real rows)."""
 
         def loss_on(batch):
@@ -76,7 +76,7 @@ class PerFedAvg(Algorithm):
         minus = grad(loss_on(support))({n: theta[n] - d * g_out[n] for n in names})
         return {n: g_out[n] - self.inner_lr * (plus[n] - minus[n]) / (2 * d) for n in names}, loss
 
-    def meta_gradients(self, ctx: ClientContext, names: Sequence[str]) -> Gradient:
+    def meta_gradients(self, ctx: Client, names: Sequence[str]) -> Gradient:
         """A batch of ``support + target`` samples → the meta-step on D = its first ``support`` rows, D' = the rest."""
         s = self.support
 
@@ -85,7 +85,7 @@ class PerFedAvg(Algorithm):
 
         return gradient
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         names = ctx.param_names
         size = self.support + self.target
         w = ctx.sgd(
@@ -99,7 +99,7 @@ class PerFedAvg(Algorithm):
         upload = {n: w[n] for n in self.trained_names(w)}
         return ClientUpdate(upload, {}, ctx.num_samples, loss=ctx.train_loss)
 
-    def adapt_for_evaluation(self, ctx: ClientContext, params: Params) -> Params:
+    def adapt_for_evaluation(self, ctx: Client, params: Params) -> Params:
         """``adapt_steps`` full-batch gradient steps w ← w − α∇f_i(w) on the client's training data (a client
         without data keeps w)."""
         names = ctx.param_names

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, Params, Penalty, per_client
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
+from fl_lightning.client import Client, Params, Penalty, per_client
 
 DELTA = "delta_c."
 STATE = "c_i."
@@ -81,7 +81,7 @@ class SCAFFOLD(Algorithm):
         """Its gradient c − c_i, added to the minibatch gradient without an autograd pass through the term."""
         return dict(correction)
 
-    def client_update(self, ctx: ClientContext, global_params: Params, state: Params) -> ClientUpdate:
+    def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         c = self.server_variate()
         trained = [n for n in ctx.param_names if n in c]  # buffers keep c_i = c = 0
         correction = {n: (c[n] - state[STATE + n]).detach() for n in trained}
@@ -100,8 +100,8 @@ class SCAFFOLD(Algorithm):
         return ClientUpdate(upload, new_state, ctx.num_samples, loss=ctx.train_loss)
 
     @torch.no_grad()
-    def server_update(self, global_params: Params, averaged_extra: Params, round_idx: int) -> None:
+    def server_update(self, global_params: Params, averaged_extra: Params, facts: RoundFacts) -> None:
         if not averaged_extra:
             return
         for n in self.names:
-            getattr(self, _key(n)).add_(averaged_extra[DELTA + n], alpha=self.num_aggregated / self.num_clients)
+            getattr(self, _key(n)).add_(averaged_extra[DELTA + n], alpha=facts.num_aggregated / self.num_clients)

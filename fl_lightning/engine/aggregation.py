@@ -22,9 +22,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import Params, per_client, to_device
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
+from fl_lightning.client import Params, per_client
 from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.sequential import to_device
 
 log = logging.getLogger("fl_lightning")
 
@@ -163,66 +164,107 @@ def _rows(mask: Tensor, like: Tensor) -> Tensor:
     return mask.view(-1, *([1] * (like.dim() - 1)))
 
 
-def collect(
-    round_idx: int,
-    cohort: Sequence[int],
-    mine: list[int],
-    active: list[int],
-    updates: list[ClientUpdate],
-    global_params: Params,
-    template: Params,
-    cohort_states: Params,
-    ledger: CommunicationLedger,
-    weighting: Literal["uniform", "num_samples"],
-    stats: RoundStats,
-    algorithm_name: str,
-    privacy: Any = None,
-) -> CohortSums:
-    """Add up this rank's reports. ``cohort`` are the round's client ids (host), ``mine`` this rank's positions in
-    it, ``active`` those that did not fail; ``updates[k]`` is ``active[k]``'s report. Every upload passes the
-    privacy ``ledger`` first; a report that is not finite is dropped (and counted, on the device); clients that fail
-    keep their state. The state rows returned are those of ``active`` (a dropped client's row is its old state).
-    Under ``model.privacy`` each upload is clipped (``PrivacyEngine.clip``) before the ledger records it."""
-    for j, upd in zip(active, updates):
-        if privacy is not None:
-            upd.upload = privacy.clip(upd.upload, global_params, round_idx, cohort[j])
-        ledger.upload(round_idx, cohort[j], upd.upload)
-        if set(upd.upload) != set(template):
-            raise RuntimeError(f"{algorithm_name} uploaded {sorted(upd.upload)}, not its template")
-    stats.upload_bytes += ledger.upload_bytes
-    device = next(iter(global_params.values())).device if global_params else torch.device("cpu")
-    if not updates:
-        sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}
-        return CohortSums(sums, {n: v[:0] for n, v in cohort_states.items()}, [], stats)
-    uploads = {n: torch.stack([u.upload[n] for u in updates]) for n in template}
-    new_rows = {n: torch.stack([u.state[n] for u in updates]) for n in cohort_states}
-    finite = torch.ones(len(updates), dtype=torch.bool, device=device)
-    for t in (*uploads.values(), *new_rows.values()):
-        if t.is_floating_point():
-            finite = finite & torch.isfinite(t).reshape(len(updates), -1).all(1)
-    host = [float(u.num_samples) if weighting == "num_samples" else 1.0 for u in updates]
-    sizes = [float(u.num_samples) for u in updates]
-    host_t = to_device(torch.tensor([host, sizes], dtype=torch.float64), device)
-    weight = torch.where(finite, host_t[0], 0.0)
-    losses = torch.stack([torch.as_tensor(u.loss, device=device).reshape(()).double() for u in updates])
-    sums = {}
-    for n, v in uploads.items():
-        delta = v - global_params[n] if n in global_params else v
-        if not delta.is_floating_point():
-            delta = delta.double()
-        delta = torch.where(_rows(finite, delta), delta, 0.0)
-        sums[n] = (per_client(weight, delta) * delta).double().sum(0)
-    index = to_device(torch.tensor(active, dtype=torch.long), device)
-    rows = {}
-    for n, v in new_rows.items():
-        old = cohort_states[n].index_select(0, index)
-        rows[n] = torch.where(_rows(finite, v), v.to(old.dtype), old)
-    counts = torch.stack(
-        [weight.sum(), torch.where(finite, weight * losses, 0.0).sum(), torch.where(finite, host_t[1], 0.0).sum(),
-         finite.double().sum(), (~finite).double().sum()]
-    )  # fmt: skip
-    notes = {"round": round_idx, "clients": [cohort[j] for j in active]}
-    return CohortSums(sums, rows, list(active), stats, counts, finite, notes)
+Weighting = Literal["uniform", "num_samples"]
+
+
+@dataclass
+class Ranks:
+    """Where a round's sums meet: Lightning's ``strategy`` (``reduce``, ``all_gather``, ``world_size``), this
+    process's ``rank``, the ``device`` of the sums, and ``layout[r]``, the cohort positions rank ``r`` reports."""
+
+    strategy: Any
+    rank: int
+    device: torch.device
+    layout: Sequence[Sequence[int]]
+
+
+@dataclass
+class RoundReports:
+    """One rank's share of a round, what ``Aggregation.collect`` adds up: ``cohort`` are the round's client ids
+    (host), ``active`` this rank's positions in it that did not fail, ``updates[k]`` is ``active[k]``'s report;
+    ``cohort_states`` the cohort's client-state rows before the round (a dropped client keeps its row)."""
+
+    round_idx: int
+    cohort: Sequence[int]
+    active: list[int]
+    updates: list[ClientUpdate]
+    global_params: Params
+    template: Params
+    cohort_states: Params
+
+
+class Aggregation:
+    """The server side of a round as one pipeline: clip each upload → the ledger → sum (weighted, float64) → noise →
+    sum over ranks → mean → server step. Without privacy the clip and the noise are the identity and the mean
+    divides by the sum of the weights; ``fl_lightning.engine.privacy.PrivateAggregation`` wraps it with DP's
+    stages (as Flower's differential-privacy strategies wrap a strategy)."""
+
+    def __init__(self, ledger: CommunicationLedger, weighting: Weighting, algorithm_name: str) -> None:
+        self.ledger, self.weighting, self.algorithm_name = ledger, weighting, algorithm_name
+
+    def clip(self, upload: Params, glob: Params, round_idx: int, client: int) -> Params:
+        """One client's upload as it crosses the boundary (unchanged here)."""
+        return upload
+
+    def noise(self, delta_sums: Params, round_idx: int, rank: int) -> Params:
+        """This rank's sums before the sum over ranks (unchanged here)."""
+        return delta_sums
+
+    def mean(self, sums: CohortSums, template: Params) -> Params:
+        """The mean update Δ from the all-reduced sums: divided by the sum of the survivors' weights."""
+        return sums.mean_update(template)
+
+    def aggregate(self, reports: RoundReports, stats: RoundStats, ranks: Ranks) -> CohortSums:
+        """collect → noise → one sum over the ranks (``Ranks``: Lightning's strategy, this rank, the device, and which
+        cohort positions' state rows each rank sends)."""
+        sums = self.collect(reports, stats)
+        sums.delta_sums = self.noise(sums.delta_sums, reports.round_idx, ranks.rank)
+        return sums.all_reduce(ranks.strategy, ranks.device, ranks.layout)
+
+    def collect(self, reports: RoundReports, stats: RoundStats) -> CohortSums:
+        """Add up this rank's reports: every upload is clipped (``clip``) and passes the ``ledger``; a report that is
+        not finite is dropped (and counted, on the device); the state rows returned are those of ``active``."""
+        round_idx, cohort, active, updates = reports.round_idx, reports.cohort, reports.active, reports.updates
+        global_params, template, cohort_states = reports.global_params, reports.template, reports.cohort_states
+        for j, upd in zip(active, updates):
+            upd.upload = self.clip(upd.upload, global_params, round_idx, cohort[j])
+            self.ledger.upload(round_idx, cohort[j], upd.upload)
+            if set(upd.upload) != set(template):
+                raise RuntimeError(f"{self.algorithm_name} uploaded {sorted(upd.upload)}, not its template")
+        stats.upload_bytes += self.ledger.upload_bytes
+        device = next(iter(global_params.values())).device if global_params else torch.device("cpu")
+        if not updates:
+            sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}
+            return CohortSums(sums, {n: v[:0] for n, v in cohort_states.items()}, [], stats)
+        uploads = {n: torch.stack([u.upload[n] for u in updates]) for n in template}
+        new_rows = {n: torch.stack([u.state[n] for u in updates]) for n in cohort_states}
+        finite = torch.ones(len(updates), dtype=torch.bool, device=device)
+        for t in (*uploads.values(), *new_rows.values()):
+            if t.is_floating_point():
+                finite = finite & torch.isfinite(t).reshape(len(updates), -1).all(1)
+        host = [float(u.num_samples) if self.weighting == "num_samples" else 1.0 for u in updates]
+        sizes = [float(u.num_samples) for u in updates]
+        host_t = to_device(torch.tensor([host, sizes], dtype=torch.float64), device)
+        weight = torch.where(finite, host_t[0], 0.0)
+        losses = torch.stack([torch.as_tensor(u.loss, device=device).reshape(()).double() for u in updates])
+        sums = {}
+        for n, v in uploads.items():
+            delta = v - global_params[n] if n in global_params else v
+            if not delta.is_floating_point():
+                delta = delta.double()
+            delta = torch.where(_rows(finite, delta), delta, 0.0)
+            sums[n] = (per_client(weight, delta) * delta).double().sum(0)
+        index = to_device(torch.tensor(active, dtype=torch.long), device)
+        rows = {}
+        for n, v in new_rows.items():
+            old = cohort_states[n].index_select(0, index)
+            rows[n] = torch.where(_rows(finite, v), v.to(old.dtype), old)
+        counts = torch.stack(
+            [weight.sum(), torch.where(finite, weight * losses, 0.0).sum(), torch.where(finite, host_t[1], 0.0).sum(),
+             finite.double().sum(), (~finite).double().sum()]
+        )  # fmt: skip
+        notes = {"round": round_idx, "clients": [cohort[j] for j in active]}
+        return CohortSums(sums, rows, list(active), stats, counts, finite, notes)
 
 
 def scatter_state(bank: Any, cohort: Sequence[int], sums: CohortSums) -> None:
@@ -240,11 +282,9 @@ def add_delta(value: Tensor, delta: Tensor) -> Tensor:
     return (value.double() + delta).round().to(value.dtype)
 
 
-def server_step(
-    net: nn.Module, optimizer: Any, algorithm: Algorithm, mean_update: Params, round_idx: int
-) -> None:
+def server_step(net: nn.Module, optimizer: Any, algorithm: Algorithm, mean_update: Params, facts: RoundFacts) -> None:
     """Apply the mean update Δ: parameters by one server-optimiser step on the pseudo-gradient −Δ, buffers
-    by adding Δ, and the remaining uploads through ``algorithm.server_update``."""
+    by adding Δ, and the remaining uploads through ``algorithm.server_update`` with the round's ``facts``."""
     optimizer.zero_grad()
     params = dict(net.named_parameters())
     buffers = dict(net.named_buffers())
@@ -257,7 +297,7 @@ def server_step(
             if n in buffers:
                 buffers[n].copy_(add_delta(buffers[n], delta))
         extra = {n: v for n, v in mean_update.items() if n not in params and n not in buffers}
-        algorithm.server_update({**params, **buffers}, extra, round_idx)
+        algorithm.server_update({**params, **buffers}, extra, facts)
 
 
 class TrainingDiverged(RuntimeError):

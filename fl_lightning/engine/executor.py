@@ -3,7 +3,7 @@
 ``choose_path`` decides from the algorithm, the network, the device and the workload (how many clients run at
 once, with which client optimiser and augmentation), under ``model.executor``:
 
-* ``sequential``: the reference loop (``fl_lightning.client.ClientContext``, one client after another);
+* ``sequential``: the reference loop (``fl_lightning.engine.sequential.ClientContext``, one client after another);
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
 * ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
@@ -12,13 +12,14 @@ once, with which client optimiser and augmentation), under ``model.executor``:
   an augmentation that cannot draw ahead) ``auto`` runs the loop.
 
 Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluation``) and the run axis
-(``fl_lightning.engine.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
+(``fl_lightning.experiment.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
 ``FederatedModule`` (``FederatedRun`` names what they read of it) and never import it.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -27,9 +28,11 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientContext, ClientOptimizer, Params, draws_ahead, factory_name, split_state
+from fl_lightning.client import ClientOptimizer, Params, factory_name, split_state
 from fl_lightning.engine.client_data import FederatedData
+from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, draws_ahead
 from fl_lightning.engine.stacked import (
     VectorizedContext,
     batched_rule,
@@ -47,6 +50,7 @@ __all__ = [
     "choose_path",
     "client_context",
     "decide",
+    "decided",
     "run_clients",
     "simulate_faults",
     "stacked_updates",
@@ -166,20 +170,45 @@ def planned_clients(module: FederatedRun, clients: int) -> int:
     return -(-per_round // world)
 
 
+#: each run's training path as first decided (said then, once per run: ``notes.say_once``)
+_DECIDED: weakref.WeakKeyDictionary[Any, Decision] = weakref.WeakKeyDictionary()
+
+
 def decide(module: FederatedRun, clients: int) -> Decision:
-    """The training path of ``module``'s rounds (``clients`` run at once), said once per module: INFO, or the
-    WARNING of a ``vectorized`` that falls back."""
+    """The training path of ``module``'s rounds (``clients`` run at once), said once per run: INFO, or the
+    WARNING of a ``vectorized`` that falls back; with the run's warnings about its clients' minibatches (on every
+    path alike)."""
     fed = module.fed
     augment = None if fed is None else fed.augment
-    workload = Workload(planned_clients(module, clients), module.round_optimizers.client_settings(), augment=augment)
+    optimizer = module.round_optimizers.client_settings()
+    workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
-    if not getattr(module, "_executor_logged", False):
-        module._executor_logged = True
-        if decision.fallback:
-            log.warning("executor 'vectorized' falls back to 'sequential': %s", decision.reason)
-        else:
-            log.info("executor: %s (%s)", decision.path, decision.reason)
+    if module in _DECIDED:
+        return decision
+    _DECIDED[module] = decision
+    if decision.fallback:
+        say_once(module.net, "executor", logging.WARNING, "executor 'vectorized' falls back to 'sequential': %s",
+                 decision.reason)  # fmt: skip
+    else:
+        say_once(module.net, "executor", logging.INFO, "executor: %s (%s)", decision.path, decision.reason)
+    if fed is not None and partial_batchnorm_batches(module.net, optimizer, fed.train.offsets):  # once per run
+        say_once(module.net, "bn1d", logging.WARNING, "BatchNorm1d network: a client's last minibatch of 1 sample is "
+                 "skipped (BatchNorm cannot train on one sample); model.drop_last: true drops every partial minibatch")
     return decision
+
+
+def decided(module: FederatedRun) -> Decision | None:
+    """The training path ``decide`` chose for ``module``, if its clients have trained."""
+    return _DECIDED.get(module)
+
+
+def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offsets: Sequence[int]) -> bool:
+    """Whether some client's last minibatch holds 1 sample that a ``BatchNorm1d`` network skips (``min_batch``
+    2 without ``drop_last``); ``offsets``: the clients' row offsets (``ClientSplit.offsets``)."""
+    batch = optimizer.batch_size
+    if optimizer.drop_last or optimizer.min_batch(batch, net) != 2:
+        return False
+    return any((hi - lo) % batch == 1 for lo, hi in zip(offsets[:-1], offsets[1:]))
 
 
 # ---- contexts ---------------------------------------------------------------------------------------------------
@@ -226,7 +255,6 @@ def stacked_updates(upd: ClientUpdate, ctx: VectorizedContext, kept: Params, lo:
             {**unstack(upd.state, k), **unstack(kept, k)},
             ctx.num_samples[k],
             upd.loss[k],
-            {name: v[k] for name, v in upd.metrics.items()},
         )
         for k in range(lo, hi)
     ]
@@ -240,11 +268,12 @@ def run_clients(
     through the algorithm."""
     if not clients:
         return []
-    if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.engine.run_axis)
-        return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets)
+    decision = decide(module, len(clients))
+    if module.run_axis is not None:  # batched with other runs of this process (fl_lightning.experiment.run_axis)
+        return module.run_axis.run_clients(module, clients, round_idx, glob, states, budgets, decision)
     states, kept = zip(*(split_state(st) for st in states))
     keep = module.keep_client_optimizer_state
-    if decide(module, len(clients)).stacked:
+    if decision.stacked:
         ctx = vector_context(module, clients, round_idx, budgets)
         ctx.optimizer_state = stack(kept) if keep else None
         expanded = {n: v.expand(len(clients), *v.shape) for n, v in glob.items()}

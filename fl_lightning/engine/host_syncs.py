@@ -3,7 +3,7 @@
 ``count_host_reads()`` patches the Python-level reads on ``torch.Tensor`` (``item``, ``__float__``, ``__int__``,
 ``__bool__``, ``__index__``, ``tolist``, ``cpu``, ``numpy``) for the duration of a ``with`` block and counts them,
 on any device (on the CPU the same calls would be syncs on a GPU). ``make bench`` reports them per round;
-``tests/test_host_syncs.py`` holds a round to a bound that does not grow with the number of local steps.
+``tests/engine/test_host_syncs.py`` holds a round to a bound that does not grow with the number of local steps.
 """
 
 from __future__ import annotations

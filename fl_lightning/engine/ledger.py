@@ -7,7 +7,7 @@ template. It also records, per round, how many upload bytes the algorithm declar
 personal state or side information (``Algorithm.reveals``), and counts the bytes of the communication metrics.
 
 What crosses the boundary is not "nothing personal": the README's table lists, per algorithm, what an upload
-may reveal; ``tests/test_privacy.py`` checks each declaration by perturbing the personal state and the side
+may reveal; ``tests/properties/test_privacy.py`` checks each declaration by perturbing the personal state and the side
 information and comparing the uploads bit for bit.
 """
 

@@ -31,16 +31,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
-from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import (
-    ClientOptimizer,
-    LRSchedulerCallable,
-    OptimizerCallable,
-    Params,
-    has_batchnorm1d,
-    loss_fn_for,
-    state_template,
-)
+from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
+from fl_lightning.client import ClientOptimizer, OptimizerCallable, Params, has_batchnorm1d
 from fl_lightning.engine import aggregation, evaluation, executor, lightning_logging
 from fl_lightning.engine import checkpoint as checkpoint_entries
 from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
@@ -48,8 +40,9 @@ from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
 from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
-from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, RoundOptimizers
-from fl_lightning.engine.privacy import Privacy, PrivacyEngine, check_algorithm
+from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, LRSchedulerCallable, RoundOptimizers
+from fl_lightning.engine.privacy import Privacy, PrivacyEngine, PrivateAggregation, check_algorithm
+from fl_lightning.engine.sequential import loss_fn_for, state_template
 from fl_lightning.engine.settings import FP16_REFUSED, check_algorithm_fits, check_settings
 from fl_lightning.engine.state import ClientStateBank, Placement, choose_placement, make_bank
 from fl_lightning.engine.summary import run_summary
@@ -181,7 +174,7 @@ class FederatedModule(L.LightningModule):
         self.final_clients: ClientEvaluation | None = None  #: per-client numbers behind final (final_ft with "+FT")
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
-        self.run_axis: Any = None  #: ``fl_lightning.engine.run_axis`` lockstep when this run trains batched with others
+        self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
         self._fit_start = 0.0
         self._wall_before = 0.0  #: training seconds before the checkpoint this run resumed from
 
@@ -197,9 +190,8 @@ class FederatedModule(L.LightningModule):
         self.fed = fed
         glob = self.global_params()
         self.algorithm.check_compatible(self.net, fed.num_classes)
-        frozen = [n for n, p in self.net.named_parameters() if not p.requires_grad]
-        frozen += list(getattr(self.net, "constant_buffers", ()))  # buffers a network says never change
-        self.algorithm.set_frozen(frozen)
+        frozen = [n for n, p in self.net.named_parameters() if not p.requires_grad]  # + constant buffers (LoRA nets)
+        self.algorithm.set_frozen(frozen + list(getattr(self.net, "constant_buffers", ())))
         check_algorithm_fits(self.algorithm, self.net, glob, self.aggregation)
         if self.bank is None or self.bank.num_clients != fed.num_clients:
             self.algorithm.setup(glob, fed.num_clients)
@@ -216,8 +208,10 @@ class FederatedModule(L.LightningModule):
         template = self.algorithm.upload_template(glob)
         side = None if fed.side is None else getattr(getattr(self.net, "side", None), "reveals", "side information")
         self.ledger = CommunicationLedger.for_algorithm(self.algorithm, self.bank.names, template, side)
+        self.aggregator = aggregation.Aggregation(self.ledger, self.aggregation, type(self.algorithm).__name__)
         if self.privacy is not None:
             check_algorithm(self.algorithm, self.net, template, self.aggregation)
+            self.aggregator = PrivateAggregation(self.aggregator, self.privacy)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -297,13 +291,9 @@ class FederatedModule(L.LightningModule):
 
         # aggregate: this rank's weighted sums and state rows, then one sum over ranks
         stats = RoundStats(dropped=len(failed.intersection(mine)), stragglers=len((slow - failed).intersection(mine)))
-        mine_sums = aggregation.collect(
-            round_idx, cohort, mine, active, updates, glob, template, cohort_states,
-            self.ledger, self.aggregation, stats, type(self.algorithm).__name__, self.privacy,
-        )  # fmt: skip
-        if self.privacy is not None:  # Gaussian noise once, on rank 0, before the sum over ranks
-            mine_sums.delta_sums = self.privacy.add_noise(mine_sums.delta_sums, round_idx, self.global_rank)
-        cohort_sums = mine_sums.all_reduce(self.trainer.strategy, self.device, reporting)
+        reports = aggregation.RoundReports(round_idx, cohort, active, updates, glob, template, cohort_states)
+        ranks = aggregation.Ranks(self.trainer.strategy, self.global_rank, self.device, reporting)
+        cohort_sums = self.aggregator.aggregate(reports, stats, ranks)  # clip → ledger → sum → noise → all ranks
 
         # scatter state, server step, log
         aggregation.scatter_state(self.bank, cohort, cohort_sums)
@@ -322,11 +312,11 @@ class FederatedModule(L.LightningModule):
         """Apply the cohort's mean update; stop with a checkpoint if the model turned non-finite."""
         if sums.stats.survivors == 0:
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
-        keep_all = getattr(self.algorithm, "updates_frozen", False)  # no copy of a frozen base that never changes
-        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep_all}
-        self.algorithm.num_aggregated = int(sums.stats.survivors)
-        mean = sums.mean_update(template) if self.privacy is None else self.privacy.mean_update(sums, template)
-        aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, round_idx)
+        keep = getattr(self.algorithm, "updates_frozen", False)  # FLoRA merges into the frozen base; else not copied
+        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep}
+        mean = self.aggregator.mean(sums, template)
+        facts = RoundFacts(round_idx, num_aggregated=int(sums.stats.survivors))
+        aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, facts)
         aggregation.check_finite(self.net, backup, self.trainer, round_idx)
 
     def _log_round(self, round_idx: int, stats: RoundStats) -> None:

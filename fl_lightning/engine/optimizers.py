@@ -18,6 +18,7 @@ constant (``ConstantLR`` with factor 1).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,8 +27,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler, ReduceLROnPlateau
 
-from fl_lightning.client import ClientOptimizer, LRSchedulerCallable, OptimizerCallable, factory_name
+from fl_lightning.client import ClientOptimizer, OptimizerCallable, factory_name
 from fl_lightning.errors import ConfigError
+
+#: A ``torch.optim.lr_scheduler`` class with its init args: ``optimizer -> LRScheduler``
+#: (``lightning.pytorch.cli.LRSchedulerCallable``, spelled out so that the engine does not import jsonargparse).
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], LRScheduler]
 
 log = logging.getLogger("fl_lightning")
 

@@ -60,10 +60,12 @@ import torch
 from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm
-from fl_lightning.client import Params, make_generator, to_device
+from fl_lightning.client import Params, make_generator
+from fl_lightning.engine.aggregation import Aggregation, CohortSums
+from fl_lightning.engine.sequential import to_device
 from fl_lightning.errors import ConfigError
 
-__all__ = ["COUNT", "AdaptiveClip", "Privacy", "PrivacyEngine", "epsilon_of", "privacy_event"]
+__all__ = ["COUNT", "AdaptiveClip", "Privacy", "PrivacyEngine", "PrivateAggregation", "epsilon_of", "privacy_event"]
 
 log = logging.getLogger("fl_lightning")
 
@@ -282,7 +284,7 @@ class PrivacyEngine(nn.Module):
             out[COUNT] = out[COUNT] + float(torch.randn((), generator=g, dtype=torch.float64)) * self.count_sigma
         return out
 
-    def mean_update(self, sums: Any, template: Params) -> Params:
+    def mean_update(self, sums: CohortSums, template: Params) -> Params:
         """Δ = noised sum / m (the expected cohort, a fixed denominator); updates the adaptive clip from the noised
         count. ``sums`` is the all-reduced ``CohortSums`` (``COUNT`` is taken out of it)."""
         count = sums.delta_sums.pop(COUNT, None)
@@ -358,6 +360,26 @@ class PrivacyEngine(nn.Module):
         if final and self.stopped:
             out["stopped"] = self.stopped
         return out
+
+
+class PrivateAggregation(Aggregation):
+    """DP as a stage that wraps an ``Aggregation`` (as Flower's differential-privacy strategies wrap a strategy):
+    each upload is clipped (plus the client's own noise under local DP) before the ledger records it, the central
+    noise is added to the sums on rank 0 before the sum over ranks, and the mean divides the noised sum by the
+    expected cohort (``PrivacyEngine``'s ``clip``, ``add_noise``, ``mean_update``)."""
+
+    def __init__(self, inner: Aggregation, engine: PrivacyEngine) -> None:
+        super().__init__(inner.ledger, inner.weighting, inner.algorithm_name)
+        self.inner, self.engine = inner, engine
+
+    def clip(self, upload: Params, glob: Params, round_idx: int, client: int) -> Params:
+        return self.engine.clip(self.inner.clip(upload, glob, round_idx, client), glob, round_idx, client)
+
+    def noise(self, delta_sums: Params, round_idx: int, rank: int) -> Params:
+        return self.engine.add_noise(self.inner.noise(delta_sums, round_idx, rank), round_idx, rank)
+
+    def mean(self, sums: CohortSums, template: Params) -> Params:
+        return self.engine.mean_update(sums, template)
 
 
 def check_config(cfg: Privacy) -> None:

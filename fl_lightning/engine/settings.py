@@ -6,6 +6,7 @@ from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params, select
+from fl_lightning.engine.contract import check_vectorizable
 from fl_lightning.errors import ConfigError
 
 __all__ = ["FP16_REFUSED", "check_algorithm_fits", "check_settings"]
@@ -47,7 +48,9 @@ def check_settings(
 
 def check_algorithm_fits(algorithm: Algorithm, net: nn.Module, glob: Params, aggregation: str) -> None:
     """Every personal prefix of ``algorithm`` names a parameter of ``net``; a method whose server keeps the exact
-    mean of the clients' models gets ``model.aggregation: uniform``."""
+    mean of the clients' models gets ``model.aggregation: uniform``; a method that declares ``vectorizable`` uses
+    only what the stacked path offers (``contract.check_vectorizable``)."""
+    check_vectorizable(type(algorithm))
     for prefix in algorithm.personal:
         if not select(list(glob), [prefix]):
             names = [n for n, _ in net.named_parameters()]

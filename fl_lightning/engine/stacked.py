@@ -57,24 +57,27 @@ from torch.nn import functional as F
 
 from fl_lightning.client import (
     STEPS,
-    ClientContext,
     ClientOptimizer,
-    FunctionalBatchNorm,
     Gradient,
     MaxSteps,
     Objective,
     Params,
     Penalty,
     PenaltyLike,
+    factory_name,
+    select,
+    state_name,
+)
+from fl_lightning.engine.notes import say_once
+from fl_lightning.engine.sequential import (
+    ClientContext,
+    FunctionalBatchNorm,
     class_sum_step,
     draws_ahead,
     empty_class_sums,
     epoch_draws,
-    factory_name,
     has_batchnorm,
     penalty_gradient,
-    select,
-    state_name,
     step_limit,
     steps_per_epoch,
     to_device,
@@ -86,8 +89,6 @@ FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of abou
 #: in channels_last) or ``vmap`` (one grouped convolution for the cohort). ``loop`` won on the CPU (``make bench``,
 #: workload ``conv_clients``); other devices use ``vmap`` unless set here (the benchmark reports both).
 CONV_CLIENTS: dict[str, str] = {"cpu": "loop"}
-log = logging.getLogger("fl_lightning")
-_fallbacks_logged: set[str] = set()
 
 
 def feature_chunk(device: torch.device) -> int:
@@ -97,12 +98,6 @@ def feature_chunk(device: torch.device) -> int:
 
 def conv_clients(device: torch.device) -> str:
     return CONV_CLIENTS.get(device.type, "vmap")
-
-
-def _log_once(key: str, message: str, *args: object) -> None:
-    if key not in _fallbacks_logged:
-        _fallbacks_logged.add(key)
-        log.warning(message, *args)
 
 
 def sequential_forward(module: nn.Module, params: Params, x: Tensor) -> Tensor:
@@ -762,14 +757,17 @@ class VectorizedContext:
         phase = _Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
         if rule is None:
             name = factory_name(self.optimizer.factory)
-            _log_once(name, "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
+            say_once(self.net, name, logging.WARNING,
+                     "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
             return self._sgd_client_by_client(out, phase)
         if self.augment is not None and not draws_ahead(self.augment):
-            _log_once("augment", "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
+            say_once(self.net, "augment", logging.WARNING,
+                     "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         head_only = self._head_only(trainable, gradient, objective)
         if not head_only and has_rnn(self.net):
-            _log_once("rnn", "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
+            say_once(self.net, "rnn", logging.WARNING,
+                     "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         if not head_only and self.loop_over_clients:
             if gradient is None and self.sides is None and self.optimizer_state is None:

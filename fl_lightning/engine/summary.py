@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fl_lightning.engine import executor
 from fl_lightning.engine.evaluation import class_shares, main_metric
 
 #: a ``FederatedModule`` (not imported: it imports this file)
@@ -62,3 +63,15 @@ def run_summary(module: Module) -> dict[str, Any]:
             logger.log_metrics(end, step=module.rounds_trained - 1)
     return summary
 
+
+
+def what_ran(module: Module) -> dict[str, Any]:
+    """The path that trained the run's clients (``executor.decide``: ``stacked`` or ``sequential``, and why) and
+    the batched job it shared (its runs, and those whose clients trained in one call with its own), or ``None``
+    for a run alone: ``summary.json``'s and the W&B config's ``ran``."""
+    decision = executor.decided(module)
+    return {
+        "executor": None if decision is None else decision.path,
+        "reason": None if decision is None else decision.reason,
+        "batch": None if module.run_axis is None else module.run_axis.describe(module),
+    }

@@ -1,9 +1,9 @@
 """Run the grid of an experiment: skip finished runs, resume unfinished ones, one log per run.
 
 Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
-(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs that
-can share a process (the same algorithm class and network, one process per run: the seeds of a method, its
-hyper-parameter values) train as one batched job of the run axis (``fl_lightning.engine.run_axis``: in this
+(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs whose
+resolved configs differ only in the seed (and what a resume may change), one process per run, train as one
+batched job of the run axis (``fl_lightning.experiment.run_axis``: in this
 process with ``jobs=1``, a child process per job with ``jobs>1``), at most ``batch_runs`` at a time
 (``--batch-runs K`` or ``batch_runs: K``; 1 turns it off); each run's numbers are those of
 the run alone. Its output goes to ``<run_dir>/train.log``; ``<run_dir>/run.json`` records the experiment, the axis
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.spec import Experiment, RunSpec, TuneRun
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -285,24 +284,20 @@ def start_args(run: RunSpec, state: str, overwrite: bool) -> list[str] | None:
 def batch_groups(
     todo: list[int], configs: list[dict[str, Any] | None], limit: int | None
 ) -> list[list[int]]:
-    """The positions ``todo`` as jobs, in grid order: runs with the same algorithm class and network and a
-    one-process trainer share a job (at most ``limit`` of them; ``limit`` 1 or a config that was not resolved: one
-    run per job). A job's first run is the earliest of its runs in the grid."""
-    from fl_lightning.engine.run_axis.driver import batch_signature, check_batchable
+    """The positions ``todo`` as jobs, in grid order: runs whose resolved configs have one batch key (their
+    identities equal but for the seed: ``run_axis.batching``) and a one-process trainer share a job (at most
+    ``limit`` of them; ``limit`` 1 or a config that was not resolved: one run per job). A job's first run is the
+    earliest of its runs in the grid."""
+    from fl_lightning.experiment.run_axis.batching import batch_key, multi_process
 
     groups: dict[str, list[int]] = {}
     jobs: list[list[int]] = []
     for i in todo:
         config = configs[i]
-        if limit == 1 or config is None:
+        if limit == 1 or config is None or multi_process(config):  # a multi-process trainer trains alone
             jobs.append([i])
             continue
-        try:
-            check_batchable([config])  # a multi-process trainer trains alone
-        except ConfigError:
-            jobs.append([i])
-            continue
-        key = json.dumps(batch_signature(config), sort_keys=True)
+        key = batch_key(config)
         group = groups.get(key)
         if group is None or (limit is not None and len(group) >= limit):
             group = groups[key] = []
@@ -311,9 +306,9 @@ def batch_groups(
     return jobs
 
 
-#: with ``jobs>1`` a batched job is one child process of the run axis (``python -m fl_lightning.engine.run_axis
+#: with ``jobs>1`` a batched job is one child process of the run axis (``python -m fl_lightning.experiment.run_axis
 #: --runs FILE``); with ``jobs=1`` it runs in this process (``run_batch_in_process``), as single runs do
-BATCH_COMMAND = [sys.executable, "-m", "fl_lightning.engine.run_axis", "--runs"]
+BATCH_COMMAND = [sys.executable, "-m", "fl_lightning.experiment.run_axis", "--runs"]
 
 
 def batch_results(runs: list[RunSpec], results: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -334,7 +329,7 @@ def run_batch_in_process(
     """``runs`` as one batched job in this process (``run_axis.BatchedRuns``, each run printing to its own
     ``train.log``): no second interpreter to start and no second parse of configs the runner already resolved
     and grouped (``batch_groups``)."""
-    from fl_lightning.engine.run_axis.driver import BatchedRuns
+    from fl_lightning.experiment.run_axis.driver import BatchedRuns
 
     known = None if any(c is None for c in configs) else configs
     with as_train_py():

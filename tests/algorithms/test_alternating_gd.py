@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from fl_lightning.algorithms import AlternatingGD
 from fl_lightning.algorithms.alternating_gd import wk_constants
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
@@ -107,7 +108,7 @@ def test_alternating_gd_rounds_equal_the_numpy_reference():
                 assert up.loss == pytest.approx(0.5 * np.sum((block - u @ v_ref.T) ** 2), rel=1e-10)
             states[c] = up.state
         averaged = {n: sum(u[n] for u in uploads) / len(uploads) for n in uploads[0]}
-        algo.server_update(glob, averaged, rnd)
+        algo.server_update(glob, averaged, RoundFacts(rnd, num_aggregated=len(uploads)))
         if rnd < SIGMA_ROUNDS:
             total = sum(b.T @ (b @ vec) for b in s)
             vec, norm = total / np.linalg.norm(total), np.linalg.norm(total)

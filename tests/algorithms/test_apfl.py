@@ -10,8 +10,9 @@ from torch import Tensor
 
 from fl_lightning.algorithms import APFL
 from fl_lightning.algorithms.apfl import mix
-from fl_lightning.client import ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import loss_fn_for
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context

@@ -29,8 +29,10 @@ from fl_lightning.algorithms import (
     PerFedAvg,
     PFedMe,
 )
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.algorithms.base import RoundFacts
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
 
@@ -649,7 +651,7 @@ def test_linear_fedrep_exact_head_body_step_and_orthonormalised_average() -> Non
         q, r = np.linalg.qr(mean)
         q = q * np.sign(np.diag(r))
         params = {"body.weight": torch.from_numpy(mean.T).clone()}
-        alg.server_update(params, {}, 0)
+        alg.server_update(params, {}, RoundFacts(0, num_aggregated=1))
         assert_close_finite(params["body.weight"], torch.from_numpy(q.T))
 
 
@@ -676,7 +678,8 @@ def test_alternating_gd_iteration_and_init_are_the_authors_alternate_gd() -> Non
     state = alg.init_client_state(params)
     ups = [alg.client_update(lowrank_ctx(si, i, 0), params, state) for i, si in enumerate(s)]
     v0 = alg.power_vec.clone()
-    alg.server_update(params, {"power": sum(u.upload["power"] for u in ups) / len(ups)}, 0)  # weights 1 each
+    power = {"power": sum(u.upload["power"] for u in ups) / len(ups)}  # weights 1 each
+    alg.server_update(params, power, RoundFacts(0, num_aggregated=len(ups)))
     sigma = float(np.linalg.norm(sum(si.numpy().T @ si.numpy() @ v0.numpy() for si in s))) ** 0.5
     eta, dd = 9 / (4 * 8 * 0.5 * sigma), 8 * 0.5 / 9
     assert np.isclose(float(alg.eta), eta) and np.isclose(float(alg.sigma), sigma)
@@ -696,7 +699,8 @@ def test_alternating_gd_iteration_and_init_are_the_authors_alternate_gd() -> Non
         assert_close_finite(up.state["U"][: rows[i]], torch.from_numpy(un))
         assert_close_finite(up.upload["grad_V"], torch.from_numpy(grads[-1]))
         assert up.num_samples == 1
-    alg.server_update(params, {"grad_V": torch.from_numpy(sum(grads) / len(grads))}, 2)
+    averaged = {"grad_V": torch.from_numpy(sum(grads) / len(grads))}
+    alg.server_update(params, averaged, RoundFacts(2, num_aggregated=len(grads)))
     assert_close_finite(params["V"], v - eta * torch.from_numpy(sum(grads)))
 
 
@@ -721,7 +725,8 @@ def test_power_init_is_the_sum_of_client_sketches_and_local_gd_uses_one_over_sig
     for round_idx in range(alpha + 1):
         ups = [alg.client_update(lowrank_ctx(si, i, round_idx), params, state) for i, si in enumerate(s)]
         assert [u.num_samples for u in ups] == [1, 1]
-        alg.server_update(params, {"sketch": sum(u.upload["sketch"] for u in ups) / len(ups)}, round_idx)
+        sketch = {"sketch": sum(u.upload["sketch"] for u in ups) / len(ups)}
+        alg.server_update(params, sketch, RoundFacts(round_idx, num_aggregated=len(ups)))
     big_s, phi = np.concatenate([si.numpy() for si in s]), np.concatenate(phis)
     v = np.linalg.matrix_power(big_s.T @ big_s, alpha) @ big_s.T @ phi
     assert_close_finite(params["V"], torch.from_numpy(v))
@@ -805,7 +810,7 @@ def test_oneshot_uploads_min_norm_estimates_and_keeps_the_kmeans_labels() -> Non
     total = sum(u.num_samples for u in ups)
     averaged = {key: sum(u.num_samples / total * u.upload[key] for u in ups) for key in ("estimates", "estimate_mask")}
     params = {"theta": theta.clone()}
-    alg.server_update(params, averaged, 0)
+    alg.server_update(params, averaged, RoundFacts(0, num_aggregated=len(ups)))
     means = [np.mean(estimates[:2], 0), np.mean(estimates[2:], 0)]  # well separated: k-means = the group means
     got = sorted(params["theta"].numpy().tolist())
     assert np.allclose(got, sorted(m.tolist() for m in means)) and np.isfinite(got).all()

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import FedAvgSteps
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, loss_fn_for
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fl_lightning.algorithms import L2GD, FedMTL
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.algorithms.fedmtl import code_scale
 from tests.helpers.asserts import assert_close_finite, assert_params_close_finite
 from tests.helpers.functional_mlp import LR, NAMES, close, rand_params, ref_grad
@@ -90,10 +91,9 @@ def test_server_keeps_the_population_mean_from_deltas(client, cls, local, delta)
     alg.setup(glob, num_clients=8)
     for _ in range(2):  # this round's cohort
         alg.client_update(ctx(), glob, {local + n: glob[n] for n in NAMES_2})
-    alg.num_aggregated = 2  # |S|: the engine sets the number of uploads it aggregated before the server step
     avg = {delta + n: torch.full_like(glob[n], 0.5) * (i + 1) for i, n in enumerate(NAMES_2)}
     live = {n: t.clone() for n, t in glob.items()}
-    alg.server_update(live, avg, round_idx=0)
+    alg.server_update(live, avg, RoundFacts(0, num_aggregated=2))
     want = {n: glob[n] + 2 / 8 * 0.5 * (i + 1) for i, n in enumerate(NAMES_2)}
     assert_params_close_finite(live, want, rtol=0, atol=1e-12)
 

@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.algorithms.ifca import IFCA, refine
-from fl_lightning.client import ClientContext, Params
+from fl_lightning.client import Params
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context
 

@@ -10,8 +10,9 @@ import torch
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import LinearFedAvg
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite

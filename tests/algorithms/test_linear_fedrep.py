@@ -12,8 +12,10 @@ from torch.nn import functional as F
 
 from datamodules import SyntheticLinearDataModule
 from fl_lightning.algorithms import LinearFedRep
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.algorithms.base import RoundFacts
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import principal_angle_distance
 from fl_lightning.models import LinearRepresentation
@@ -65,7 +67,7 @@ def test_linear_fedrep_server_orthonormalises_b():
     bt = torch.randn(2, 6, dtype=torch.float64)
     live = {"body.weight": nn.Parameter(bt.clone())}
     with torch.no_grad():
-        alg.server_update(live, {}, 0)
+        alg.server_update(live, {}, RoundFacts(0, num_aggregated=1))
     q = live["body.weight"].detach().T
     assert_close_finite(q.T @ q, torch.eye(2, dtype=torch.float64))
     proj = q @ q.T  # same column span as the averaged B
@@ -124,7 +126,7 @@ def test_server_qr_convention(positive):
     lapack = np.linalg.qr(b)[0]
     assert np.abs(lapack - gram_schmidt(b)).max() > 0.5  # LAPACK's R has a negative diagonal here
     glob = {"body.weight": torch.tensor(b.T.copy())}
-    LinearFedRep(positive_qr=positive).server_update(glob, {}, 0)
+    LinearFedRep(positive_qr=positive).server_update(glob, {}, RoundFacts(0, num_aggregated=1))
     got = glob["body.weight"].numpy().T
     if positive:
         assert_close_finite(got, gram_schmidt(b), rtol=1e-10, atol=1e-12)

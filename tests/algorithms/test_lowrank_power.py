@@ -10,9 +10,11 @@ import torch
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import PowerInitLocalGD
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.algorithms.lowrank_power import local_gd
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LowRankFactors
 from tests.helpers.asserts import assert_close_finite
@@ -74,12 +76,12 @@ def test_every_phase_uploads_with_weight_one_and_local_phase_reports_the_loss():
     state = algo.init_client_state(glob)
     up0 = algo.client_update(context(net, s, 0), glob, state)
     assert up0.num_samples == 1
-    algo.server_update(glob, up0.upload, 0)
+    algo.server_update(glob, up0.upload, RoundFacts(0, num_aggregated=1))
     up1 = algo.client_update(context(net, s, 1), glob, state)
     assert up1.num_samples == 1
     sn, cand = s.numpy(), algo.candidates[0].numpy()
     assert_close_finite(up1.upload["sketch"][0], sn.T @ (sn @ cand), rtol=1e-10, atol=1e-12)
-    algo.server_update(glob, up1.upload, 1)
+    algo.server_update(glob, up1.upload, RoundFacts(1, num_aggregated=1))
     v = glob["V"].numpy()
     up2 = algo.client_update(context(net, s, 2), glob, state)
     assert up2.num_samples == 1

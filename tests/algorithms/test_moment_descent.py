@@ -12,9 +12,11 @@ from scipy.cluster.hierarchy import fcluster, linkage
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedMD
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.algorithms.moment_descent import anchor_step, default_num_anchors, group_anchors
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite
@@ -257,7 +259,7 @@ def test_fedmd_registration_draws_anchors_among_the_eligible_clients():
         want[c] = float(sizes[c] >= 6)
         assert_close_finite(up["eligible"], want, rtol=0, atol=0)
     averaged = {n: sum(u[n] for u in uploads) / len(uploads) for n in uploads[0]}
-    algo.server_update(glob, averaged, 0)
+    algo.server_update(glob, averaged, RoundFacts(0, num_aggregated=len(uploads)))
     eligible = np.array([1, 3, 5, 6])
     perm = torch.randperm(4, generator=make_generator(4, "fedmd-anchors")).numpy()
     assert algo.anchor_ids.tolist() == sorted(eligible[perm[:3]].tolist())
@@ -270,7 +272,7 @@ def test_fedmd_registration_fails_with_too_few_eligible_clients():
     algo.setup(glob, 4)
     eligible = torch.tensor([0.0, 0.25, 0.25, 0.0], dtype=torch.float64)
     with pytest.raises(ConfigError, match=r"^FedMD: only 2 clients have ≥ 6 samples, 3 anchors needed$"):
-        algo.server_update(glob, {"eligible": eligible}, 0)
+        algo.server_update(glob, {"eligible": eligible}, RoundFacts(0, num_aggregated=1))
 
 
 def test_fedmd_setup_refuses_more_anchors_than_clients():
@@ -371,7 +373,7 @@ def test_fedmd_orthogonal_phase1_round_by_round(pairing):
             assert up.num_samples == sizes[c] and up.loss == 0.0  # Phase 1 trains nothing: no loss to report
             ups.append(up.upload)
         averaged = {n: sum(u[n] * m for u, m in zip(ups, sizes)) / total for n in ups[0]}
-        algo.server_update(glob, averaged, rnd)
+        algo.server_update(glob, averaged, RoundFacts(rnd, num_aggregated=len(ups)))
         return ups
 
     round_(0)

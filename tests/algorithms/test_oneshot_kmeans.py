@@ -11,9 +11,11 @@ from sklearn.cluster import KMeans
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import OneShotClustering
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.algorithms.oneshot_kmeans import kmeans, local_estimate
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models import ClusteredLinear
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context
@@ -101,7 +103,7 @@ def test_oneshot_round_zero_clusters_the_local_estimates_and_fixes_the_labels():
         sizes.append(SIZES[c])
     total = sum(sizes)
     averaged = {n: sum(u[n] * s for u, s in zip(uploads, sizes)) / total for n in uploads[0]}
-    algo.server_update(glob, averaged, 0)
+    algo.server_update(glob, averaged, RoundFacts(0, num_aggregated=len(uploads)))
 
     km = KMeans(n_clusters=2, n_init=3, random_state=5).fit(np.stack(refs))
     assert torch.equal(algo.labels, torch.as_tensor(km.labels_, dtype=torch.long))
@@ -113,7 +115,7 @@ def test_oneshot_round_zero_clusters_the_local_estimates_and_fixes_the_labels():
         assert algo.choose_cluster(context(net, c, x, y, 1), glob["theta"]) == int(km.labels_[c])
     # later rounds leave the labels (and the server's theta) to FedX: no second k-means
     shuffled = {n: v.flip(0) for n, v in averaged.items()}
-    algo.server_update(glob, shuffled, 1)
+    algo.server_update(glob, shuffled, RoundFacts(1, num_aggregated=len(uploads)))
     assert torch.equal(algo.labels, torch.as_tensor(km.labels_, dtype=torch.long))
     assert torch.equal(glob["theta"], theta_after)
 
@@ -127,7 +129,7 @@ def test_oneshot_ignores_the_rows_of_clients_that_sent_no_estimate():
     algo.setup(glob, 5)  # client 4 never uploads
     uploads = [algo.client_update(context(net, c, x, y, 0), glob, {}).upload for c, (x, y) in enumerate(data)]
     averaged = {n: sum(u[n] for u in uploads) / len(uploads) for n in uploads[0]}
-    algo.server_update(glob, averaged, 0)
+    algo.server_update(glob, averaged, RoundFacts(0, num_aggregated=len(uploads)))
     points = np.stack([np.linalg.lstsq(x, y, rcond=None)[0] for x, y in data] + [np.zeros(D)])
     km = KMeans(n_clusters=2, n_init=2, random_state=0).fit(points)
     assert torch.equal(algo.labels, torch.as_tensor(km.labels_, dtype=torch.long))

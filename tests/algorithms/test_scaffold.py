@@ -7,6 +7,7 @@ import torch
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import SCAFFOLD
+from fl_lightning.algorithms.base import RoundFacts
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from tests.helpers.asserts import assert_close_finite
@@ -49,9 +50,8 @@ def test_scaffold_control_variate_update_option_ii(double_mlp_setup):
     assert max(float((swapped[n] - upd.upload[n]).abs().max()) for n in NAMES) > 1e-3
 
     # server: c ← c + (|S|/N)·mean Δc_i, |S| = the number of uploads the engine aggregated
-    alg.num_aggregated = 2
     avg = {"delta_c." + n: torch.full_like(glob[n], 2.0) for n in NAMES}
-    alg.server_update(dict(glob), avg, round_idx=0)
+    alg.server_update(dict(glob), avg, RoundFacts(0, num_aggregated=2))
     for n in NAMES:
         assert_close_finite(alg.server_variate()[n], c[n] + 2 / 5 * 2.0)
 

@@ -29,16 +29,24 @@ def train(run_dir: Path | None, *args: str, config: str = QUICK, steps: str = "2
     return train_here(["--config", config, "--trainer.max_steps", steps, *FAST, *where, *args])
 
 
-def one_error(capsys) -> str:
-    """The single line the command printed on stderr (it must be exactly one, starting with ``error:``)."""
+#: what a run says about itself when its first round starts (a failure during training follows them)
+RUN_INFO = ("executor: ", "run axis: ")
+
+
+def one_error(capsys, trained: bool = False) -> str:
+    """The single line the command printed on stderr (it must be exactly one, starting with ``error:``); with
+    ``trained``, after the lines the run printed when it started training."""
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    if trained:
+        assert lines and lines[0].startswith("executor: "), lines  # the run said which path it trains on
+        lines = [ln for ln in lines if not ln.startswith(RUN_INFO)]
     assert len(lines) == 1, lines
     assert lines[0].startswith("error: "), lines
     return lines[0]
 
 
-def refused(capsys, code: int, *names: str) -> str:
-    line = one_error(capsys)
+def refused(capsys, code: int, *names: str, trained: bool = False) -> str:
+    line = one_error(capsys, trained)
     assert code == 2, line
     for name in names:
         assert name in line, (name, line)
@@ -263,7 +271,8 @@ def test_a_disk_too_full_for_the_next_checkpoint_stops_and_keeps_the_previous_on
     monkeypatch.setattr(callbacks.shutil, "disk_usage", fake)
     run_dir = tmp_path / "run"
     code = train(run_dir, "--checkpoint_every", "1")
-    line = refused(capsys, code, "disk full", "round00002.ckpt", "bytes", "10 are free", "--ckpt_path last")
+    line = refused(capsys, code, "disk full", "round00002.ckpt", "bytes", "10 are free", "--ckpt_path last",
+                   trained=True)
     previous = run_dir / "checkpoints" / "round00001.ckpt"
     assert f"previous checkpoint {run_dir / 'checkpoints'}" in line
     assert not (run_dir / "checkpoints" / "round00002.ckpt").exists()
@@ -422,7 +431,7 @@ def test_a_finished_run_is_byte_identical_after_every_refused_command(finished, 
 
 @pytest.mark.slow  # W&B's service starts twice
 def test_a_resumed_offline_wandb_run_logs_no_round_twice(tmp_path, monkeypatch, capsys):
-    from fl_lightning.experiment.wandb_files import offline_runs
+    from fl_lightning.wandb_files import offline_runs
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"

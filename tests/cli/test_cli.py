@@ -21,7 +21,7 @@ import yaml
 
 from fl_lightning.cli import distributed_strategy, main, set_tf32
 from fl_lightning.engine.evaluation import ClientEvaluation
-from fl_lightning.experiment.wandb_files import offline_runs
+from fl_lightning.wandb_files import offline_runs
 from tests.helpers.training import train_here
 
 ROOT = Path(__file__).resolve().parents[2]

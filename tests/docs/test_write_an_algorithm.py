@@ -3,6 +3,7 @@ the sequential loop."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import re
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fl_lightning.cli import train_config
 
@@ -32,24 +34,50 @@ def my_algorithm(tmp_path, monkeypatch):
     sys.modules.pop("my_algorithm", None)
 
 
-def test_the_page_runs_its_command_and_auto_stacks_it_with_the_loops_numbers(my_algorithm, tmp_path, caplog):
+def page_command() -> list[str]:
+    """The arguments of the page's ``train.py`` command, before its ``--run_dir``."""
     command = re.search(r"python train.py (--config .*?--run_dir \S+)", PAGE.read_text().replace("\\\n", " "))
     assert command, "the page shows no train.py command"
     args = command.group(1).split()
+    return args[: args.index("--run_dir")]
+
+
+def stated_final() -> float:
+    """The ``final`` the page says its command ends with."""
+    found = re.search(r"`final`, the mean over the \d+ clients .*? is \*\*([0-9.]+)\*\*", PAGE.read_text(), flags=re.S)
+    assert found, "the page states no result to expect"
+    return float(found.group(1))
+
+
+def test_the_page_runs_its_command_to_the_result_it_states_and_auto_stacks_it_with_the_loops_numbers(
+    my_algorithm, tmp_path, caplog
+):
+    args = page_command()
     assert args[:4] == ["--config", "configs/quickstart.yaml", "--model.algorithm", my_algorithm]
-    rest = args[4:]
-    rest[rest.index("--trainer.max_steps") + 1] = "2"  # the page's run, shortened
-    rest = rest[: rest.index("--run_dir")]
+    assert args[args.index("--trainer.max_steps") + 1] == "20"
+    config, rest = [str(ROOT / args[1])], args[2:]
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
-        auto = train_config([str(ROOT / "configs/quickstart.yaml")], ["--model.algorithm", my_algorithm, *rest],
-                            run_dir=tmp_path / "auto")  # fmt: skip
+        auto = train_config(config, rest, run_dir=tmp_path / "auto")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor: ")]
     assert said == ["executor: stacked (ProxSmooth is vectorizable, 4 clients at a time on the cpu)"], said
-    loop = train_config(
-        [str(ROOT / "configs/quickstart.yaml")],
-        ["--model.algorithm", my_algorithm, *rest, "--model.executor", "sequential"],
-        run_dir=tmp_path / "loop",
-    )
-    assert auto["algorithm"] == loop["algorithm"] == "ProxSmooth" and auto["rounds"] == 2
+    assert auto["algorithm"] == "ProxSmooth" and auto["rounds"] == 20
+    digits = len(str(stated_final()).split(".")[1])
+    assert round(auto["final"], digits) == stated_final()
+    loop = train_config(config, [*rest, "--model.executor", "sequential"], run_dir=tmp_path / "loop")
     for key in ("final", "last10", "best", "upload_bytes"):
         assert math.isfinite(auto[key]) and auto[key] == pytest.approx(loop[key], abs=1e-5), key
+
+
+def test_the_pages_closed_form_gradient_is_the_gradient_of_its_penalty(my_algorithm) -> None:
+    """``proximal_gradient`` (given to ``Penalty`` as its closed form) is autograd's gradient of ``proximal``."""
+    module = importlib.import_module(my_algorithm.rpartition(".")[0])
+    algorithm = module.ProxSmooth(mu=0.3)
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, generator=g, requires_grad=True), "b": torch.randn(4, generator=g)}
+    anchor = {"w": torch.randn(3, 4, generator=g)}
+    (expected,) = torch.autograd.grad(algorithm.proximal(params, anchor), [params["w"]])
+    closed = algorithm.proximal_gradient(params, anchor)
+    assert set(closed) == {"w"}
+    torch.testing.assert_close(closed["w"], expected)
+    reference = 0.5 * 0.3 * float(((params["w"] - anchor["w"]) ** 2).sum())
+    assert float(algorithm.proximal(params, anchor)) == pytest.approx(reference)

@@ -23,8 +23,16 @@ from torch import Tensor, nn
 import fl_lightning
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import L2GD, FedAvg, FedMTL
-from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.engine.aggregation import CohortSums, RoundStats, add_delta, collect, gather_rows, server_step
+from fl_lightning.algorithms.base import ClientUpdate, RoundFacts
+from fl_lightning.engine.aggregation import (
+    Aggregation,
+    CohortSums,
+    RoundReports,
+    RoundStats,
+    add_delta,
+    gather_rows,
+    server_step,
+)
 from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
@@ -319,9 +327,8 @@ def run_collect(
     cohort = [10, 11, 12, 13]
     ledger = ledger_for(template) if ledger is None else ledger
     stats = RoundStats() if stats is None else stats
-    return collect(
-        round_idx, cohort, list(range(4)), active, updates, glob, template, states, ledger, weighting, stats, "Algo"
-    )
+    reports = RoundReports(round_idx, cohort, active, updates, glob, template, states)
+    return Aggregation(ledger, weighting, "Algo").collect(reports, stats)
 
 
 def three_clients(state_dtype: torch.dtype = torch.float32) -> list[ClientUpdate]:
@@ -498,10 +505,10 @@ def test_add_delta_rounds_into_an_integer_buffer() -> None:
 
 class _Recorder:
     def __init__(self) -> None:
-        self.calls: list[tuple[set[str], dict[str, Tensor], int]] = []
+        self.calls: list[tuple[set[str], dict[str, Tensor], RoundFacts]] = []
 
-    def server_update(self, state: dict[str, Tensor], extra: dict[str, Tensor], round_idx: int) -> None:
-        self.calls.append((set(state), dict(extra), round_idx))
+    def server_update(self, state: dict[str, Tensor], extra: dict[str, Tensor], facts: RoundFacts) -> None:
+        self.calls.append((set(state), dict(extra), facts))
 
 
 def test_server_step_hands_only_the_extra_uploads_to_the_algorithm() -> None:
@@ -512,10 +519,10 @@ def test_server_step_hands_only_the_extra_uploads_to_the_algorithm() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=1.0)
     algo = _Recorder()
     upd = {"w": torch.tensor([0.5, -1.0]), "b": torch.tensor([2.0]), "c": torch.tensor([7.0])}
-    server_step(net, opt, algo, upd, 3)  # type: ignore[arg-type]
+    server_step(net, opt, algo, upd, RoundFacts(3, num_aggregated=5))  # type: ignore[arg-type]
     assert net.w.detach().tolist() == [1.5, 1.0] and net.b.tolist() == [7.0]
-    ((state, extra, round_idx),) = algo.calls
-    assert state == {"w", "b"} and round_idx == 3
+    ((state, extra, facts),) = algo.calls
+    assert state == {"w", "b"} and facts == RoundFacts(3, 5)
     assert set(extra) == {"c"} and extra["c"].tolist() == [7.0]
 
 
@@ -525,7 +532,7 @@ def test_collect_counts_sample_sizes_beyond_float32_exactly() -> None:
     template: dict[str, Any] = {"w": torch.zeros(1)}
     ups = [ClientUpdate({"w": torch.tensor([1.0])}, {}, n, 0.0) for n in (big, 2)]
     ledger = CommunicationLedger((), (), (), list(template))
-    sums = collect(0, [0, 1], [0, 1], [0, 1], ups, {"w": torch.zeros(1)}, template, {}, ledger, "num_samples",
-                   RoundStats(), "Algo")  # fmt: skip
+    reports = RoundReports(0, [0, 1], [0, 1], ups, {"w": torch.zeros(1)}, template, {})
+    sums = Aggregation(ledger, "num_samples", "Algo").collect(reports, RoundStats())
     assert sums.counts is not None
     assert sums.counts[0].item() == big + 2 and sums.counts[2].item() == big + 2

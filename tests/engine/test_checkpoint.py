@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from benchmarks.scale import ScaleData
-from fl_lightning.algorithms import Ditto
-from fl_lightning.engine.checkpoint import checkpoint_mismatch
+from fl_lightning.algorithms import Ditto, FedAvg
+from fl_lightning.engine.checkpoint import checkpoint_mismatch, identity
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
+from tests.helpers.small_modules import DIGITS, FEDAVG, fedrep
 from tests.helpers.training import make_trainer
 
 N = 40
@@ -127,6 +129,82 @@ def test_a_journal_of_another_client_count_is_refused_in_one_line(tmp_path: Path
     meta["shapes"] = {k.removeprefix("bank."): [list(v.shape[1:]), str(v.dtype)] for k, v in shapes.items()}
     assert checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_client_state": meta}) == (
         f"the checkpoint has {N} clients, this config 30"
+    )
+
+
+class Nets:
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+
+# ---- identity ----------------------------------------------------------------------------------------------
+def test_identity_names_the_algorithm_and_network_classes_in_full() -> None:
+    assert identity(FederatedModule(FedAvg(1), DigitsMLP(hidden=(4,)))) == {"algorithm": FEDAVG, "network": DIGITS}
+    tiny = identity(FederatedModule(FedAvg(1), Nets.Tiny()))
+    assert tiny == {"algorithm": FEDAVG, "network": f"{__name__}.Nets.Tiny"}
+
+
+# ---- checkpoint_mismatch -----------------------------------------------------------------------------------
+def test_a_checkpoint_of_the_same_model_fits() -> None:
+    module = fedrep(4)
+    state = fedrep(4).state_dict()
+    assert checkpoint_mismatch(module, {"state_dict": state}) is None  # older checkpoints: no identity
+    assert checkpoint_mismatch(module, {"state_dict": state, "fl_identity": identity(module)}) is None
+
+
+def test_a_checkpoint_of_another_algorithm_and_network_names_both_short() -> None:
+    module = fedrep(4)
+    theirs = {"algorithm": "pkg.algos.fedavg.FedAvg", "network": "pkg.models.cnn.Nets.CNN"}
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
+    assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
+
+
+def test_a_checkpoint_identity_without_module_paths_is_named_as_is() -> None:
+    module = fedrep(4)
+    theirs = {"algorithm": "FedAvg", "network": "CNN"}  # written by hand, not by identity()
+    message = checkpoint_mismatch(module, {"state_dict": module.state_dict(), "fl_identity": theirs})
+    assert message == "the checkpoint was trained with FedAvg on CNN, this config is FedRep on DigitsMLP"
+
+
+def test_a_checkpoint_with_missing_or_unexpected_entries() -> None:
+    module = fedrep(4)
+    keys = list(module.state_dict())  # net.body.fc1.weight, net.body.fc1.bias, net.head.weight, ...
+    assert len(keys) >= 4
+    assert checkpoint_mismatch(module, {}) == (
+        f"the checkpoint does not fit this model (missing: {keys[:3]}, unexpected: [])"
+    )
+    saved = dict(module.state_dict())
+    del saved[keys[1]]
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
+        f"the checkpoint does not fit this model (missing: {[keys[1]]}, unexpected: [])"
+    )
+    extra = {**module.state_dict(), **{f"x{i}": torch.zeros(1) for i in range(5)}}
+    assert checkpoint_mismatch(module, {"state_dict": extra}) == (
+        "the checkpoint does not fit this model (missing: [], unexpected: ['x0', 'x1', 'x2'])"
+    )
+
+
+def test_a_checkpoint_with_another_number_of_clients() -> None:
+    assert checkpoint_mismatch(fedrep(4), {"state_dict": fedrep(5).state_dict()}) == (
+        "the checkpoint has 5 clients, this config 4"
+    )
+
+
+def test_a_checkpoint_with_another_layer_size_names_the_first_entry() -> None:
+    message = checkpoint_mismatch(fedrep(4, hidden=4), {"state_dict": fedrep(4, hidden=5).state_dict()})
+    assert message == (
+        "the checkpoint does not fit this model: net.body.fc1.weight has shape [5, 64] there and [4, 64] here"
+    )
+
+
+def test_a_bank_entry_whose_row_shape_differs_is_a_shape_error() -> None:
+    module = fedrep(4)
+    saved = dict(module.state_dict())
+    saved["bank.head__weight"] = torch.zeros(4, 10, 3)
+    assert checkpoint_mismatch(module, {"state_dict": saved}) == (
+        "the checkpoint does not fit this model: bank.head__weight has shape [4, 10, 3] there and [4, 10, 4] here"
     )
 
 

@@ -16,11 +16,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning import client
 from fl_lightning.algorithms import FedAvg, FedBN, FedRoD, PFedMe
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule, FineTune
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
 from fl_lightning.experiment.collect import RunResult
 from fl_lightning.experiment.report import at_chance, make_table, results_records
@@ -124,7 +124,6 @@ def test_the_partition_has_one_sample_remainders() -> None:
 
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_fedbn_with_batchnorm1d_trains_on_one_sample_remainders(drop_last: bool, caplog) -> None:
-    client._WARNED.discard("bn1d")
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
         module = train("sequential", drop_last, BATCH, BNMLP(), FedBN(local_epochs=1))
     tracked = module.bank.row("body.bn.num_batches_tracked").tolist()

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -16,22 +17,27 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import FedAvg, FedProto, FedProx, PerFedAvg, PFedMe
-from fl_lightning.client import ClientContext, Params, select
+from fl_lightning.algorithms import FedAvg, FedProto, FedProx, FedRep, PerFedAvg, PFedMe
+from fl_lightning.client import Params, select
 from fl_lightning.engine import evaluation
 from fl_lightning.engine.client_data import ClientSplit, FederatedData
 from fl_lightning.engine.evaluation import (
     ClientChunks,
     ClientEvaluation,
+    FineTune,
     _finetune_heads,
+    check_monitored_keys,
     client_chunks,
     score_outputs,
     shared_body_applies,
+    validation_metric_names,
     validation_metrics,
 )
-from fl_lightning.engine.module import FederatedModule, FineTune
+from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.sequential import ClientContext
+from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores
-from fl_lightning.models import DigitsMLP
+from fl_lightning.models import DigitsMLP, LinearRepresentation
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.functional_mlp import MOM
@@ -44,7 +50,65 @@ from tests.helpers.round_references import (
     nearest_prototype_accuracy,
     params_of,
 )
+from tests.helpers.small_modules import digits_fed, make_module, regression_fed
+from tests.helpers.stand_ins import with_trainer
 from tests.helpers.training import fit, make_trainer
+
+# ---- validation_metric_names and check_monitored_keys -----------------------------------------------------
+CLASSIFICATION_NAMES = {
+    "val/acc_mean",
+    "val/acc_last10",
+    "val/acc_std",
+    "val/acc_worst10",
+    "val/acc_min",
+    "val/acc_weighted",
+    "val/loss",
+}
+
+
+REGRESSION_NAMES = {"val/mse_mean", "val/mse_last10", "val/mse_std", "val/mse_worst10", "val/mse_max"}
+
+
+def test_validation_metric_names_classification() -> None:
+    module = make_module()
+    module.fed = digits_fed()
+    assert validation_metric_names(module.fed, module.net) == CLASSIFICATION_NAMES
+
+
+def test_validation_metric_names_regression() -> None:
+    module = FederatedModule(FedAvg(1), nn.Linear(4, 1))
+    module.fed = regression_fed()
+    assert validation_metric_names(module.fed, module.net) == REGRESSION_NAMES
+
+
+def test_dist_b_needs_both_b_star_and_a_representation() -> None:
+    b_star = torch.eye(4)[:, :2]
+    with_rep = FederatedModule(FedAvg(1), LinearRepresentation(dim=4, rank=2))
+    with_rep.fed = regression_fed({"B_star": b_star})
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES | {"val/dist_B"}
+    with_rep.fed = regression_fed()  # a representation but no ground truth
+    assert validation_metric_names(with_rep.fed, with_rep.net) == REGRESSION_NAMES
+    plain = FederatedModule(FedAvg(1), nn.Linear(4, 1))  # ground truth but no representation
+    plain.fed = regression_fed({"B_star": b_star})
+    assert validation_metric_names(plain.fed, plain.net) == REGRESSION_NAMES
+
+
+def test_monitoring_a_logged_key_is_accepted() -> None:
+    module = make_module()
+    module.fed = digits_fed()
+    callbacks = [SimpleNamespace(monitor=k) for k in sorted(CLASSIFICATION_NAMES)]
+    callbacks += [SimpleNamespace(monitor="train/loss"), SimpleNamespace(monitor=None), SimpleNamespace()]
+    with_trainer(module, callbacks=callbacks)
+    check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
+
+
+@pytest.mark.parametrize("monitor", ["val/mse_mean", "val/nope"])
+def test_monitoring_a_val_key_that_is_never_logged_is_refused(monitor: str) -> None:
+    module = make_module()
+    module.fed = digits_fed()
+    with_trainer(module, callbacks=[SimpleNamespace(monitor=monitor)])
+    with pytest.raises(ConfigError, match="which is never logged"):
+        check_monitored_keys(module.fed, module.net, module.trainer.callbacks)
 
 
 @pytest.mark.parametrize("executor", ["sequential", "vectorized"])
@@ -575,10 +639,9 @@ def test_sampled_evaluations_score_the_same_clients_and_the_final_one_scores_all
     """``eval_clients: 12`` of 60: every periodic evaluation scores the same 12 clients, logs their mean accuracy
     and its standard error (numpy, with the finite-population correction); the evaluation after the last round
     scores all 60 (standard error 0)."""
-    import lightning as L
 
     from benchmarks.scale import ScaleData
-    from fl_lightning.algorithms import Ditto, FedRep
+    from fl_lightning.algorithms import Ditto
 
     seen: list[tuple[list[int], np.ndarray, dict[str, float]]] = []
 

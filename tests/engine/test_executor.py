@@ -346,16 +346,52 @@ def test_decide_reads_the_datas_augmentation_and_the_rounds_client_optimizer() -
     assert executor.decide(rmsprop, 3).reason == "client optimizer RMSprop has no batched form"
 
 
-def test_decide_says_its_choice_once_for_a_run_that_has_not_said_it(caplog: pytest.LogCaptureFixture) -> None:
-    """A run object without the ``_executor_logged`` mark (a ``FederatedRun`` that is not a ``FederatedModule``) has
-    not said its choice yet: the first ``decide`` says it, the next does not."""
-    run = _tiny_module()
-    del run._executor_logged
+def test_decide_says_its_choice_once_per_run_and_records_it(caplog: pytest.LogCaptureFixture) -> None:
+    """The first ``decide`` of a run says its path and records it (``decided``); the next says nothing; another run
+    of the same process says its own (a runner's second run, a batched job's last run)."""
+    first, second = _tiny_module(), _tiny_module(executor="sequential")
+    assert executor.decided(first) is None
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
-        executor.decide(run, 3)
-        executor.decide(run, 3)
+        executor.decide(first, 3)
+        executor.decide(first, 3)
+        executor.decide(second, 3)
     said = [m for m in _said(caplog, logging.INFO) if m.startswith("executor")]
-    assert said == ["executor: stacked (FedAvg is vectorizable, 3 clients at a time on the cpu)"]
+    assert said == ["executor: stacked (FedAvg is vectorizable, 3 clients at a time on the cpu)",
+                    "executor: sequential (model.executor: sequential)"]  # fmt: skip
+    assert executor.decided(first).path == "stacked" and executor.decided(second).path == "sequential"
+
+
+@pytest.mark.parametrize("executor_name", ["sequential", "vectorized", "auto"])
+def test_the_batchnorm1d_skip_is_said_once_per_run_on_every_path(
+    executor_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A BatchNorm1d network whose batches leave some client 1 sample is told once per run, whichever path trains
+    it; with ``drop_last``, or batches that leave no client 1 sample, nothing is said."""
+    bn_net = lambda: nn.Sequential(nn.Flatten(), nn.Linear(64, 4), nn.BatchNorm1d(4))  # noqa: E731
+    offsets = [0, 7, 12]  # two clients: 7 and 5 samples
+    assert executor.partial_batchnorm_batches(bn_net(), ClientOptimizer(batch_size=3), offsets)  # 7 = 2·3 + 1
+    assert executor.partial_batchnorm_batches(bn_net(), ClientOptimizer(batch_size=4), offsets)  # 5 = 4 + 1
+    assert not executor.partial_batchnorm_batches(bn_net(), ClientOptimizer(batch_size=5), offsets)  # 7 = 5 + 2
+    assert not executor.partial_batchnorm_batches(bn_net(), ClientOptimizer(batch_size=3, drop_last=True), offsets)
+    assert not executor.partial_batchnorm_batches(nn.Linear(64, 4), ClientOptimizer(batch_size=3), offsets)
+
+    def module(batch_size: int) -> FederatedModule:
+        from tests.engine.test_drop_last_and_summary import BNMLP
+
+        run = FederatedModule(FedAvg(1), BNMLP(), executor=executor_name, batch_size=batch_size)
+        run.attach_data(TinyDigits().build())
+        return run
+
+    sizes = module(2).fed.train.host_sizes(range(CLIENTS))
+    ones = next(b for b in range(2, 40) if any(n % b == 1 for n in sizes))
+    none = next(b for b in range(2, 40) if all(n % b != 1 for n in sizes))
+    with caplog.at_level(logging.WARNING, logger="fl_lightning"):
+        for batch in (ones, ones, none):
+            run = module(batch)
+            executor.decide(run, 3)
+            executor.decide(run, 3)
+    said = [m for m in _said(caplog, logging.WARNING) if "1 sample is skipped" in m]
+    assert len(said) == 2  # once for each of the two runs whose batches leave a client 1 sample
 
 
 def test_vector_context_stacks_the_chosen_clients_rows_side_data_and_augmentation() -> None:
@@ -380,9 +416,8 @@ def test_vector_context_stacks_the_chosen_clients_rows_side_data_and_augmentatio
 
 def test_stacked_updates_are_the_rows_lo_to_hi() -> None:
     """Rows ``lo:hi`` of a stacked update, one ``ClientUpdate`` per row: upload, state with the kept rows merged,
-    the client's size, loss and metrics."""
-    upd = ClientUpdate({"w": torch.arange(8.0).view(4, 2)}, {"s": torch.arange(4.0)}, 4, torch.tensor([0.0, 1, 2, 3]),
-                       {"m": torch.tensor([10.0, 11, 12, 13])})  # fmt: skip
+    the client's size and loss."""
+    upd = ClientUpdate({"w": torch.arange(8.0).view(4, 2)}, {"s": torch.arange(4.0)}, 4, torch.tensor([0.0, 1, 2, 3]))
     ctx = SimpleNamespace(num_samples=[5, 6, 7, 8])
     kept = {"client_optimizer.steps.w": torch.tensor([1, 2, 3, 4])}
     got = executor.stacked_updates(upd, ctx, kept, 1, 3)
@@ -390,7 +425,7 @@ def test_stacked_updates_are_the_rows_lo_to_hi() -> None:
     for u, k in zip(got, (1, 2)):
         assert torch.equal(u.upload["w"], torch.tensor([2.0 * k, 2.0 * k + 1]))
         assert u.state == {"s": float(k), "client_optimizer.steps.w": k + 1}
-        assert (u.num_samples, float(u.loss), float(u.metrics["m"])) == (5 + k, float(k), 10.0 + k)
+        assert (u.num_samples, float(u.loss)) == (5 + k, float(k))
 
 
 def test_run_clients_of_a_module_without_trainer_stack_its_clients(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,9 +22,10 @@ from datamodules import DigitsDataModule, Dirichlet, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.callbacks import RoundCheckpoint
 from fl_lightning.cli import train_config
-from fl_lightning.client import ClientOptimizer, loss_fn_for, state_template
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import loss_fn_for, state_template
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.server_optimizers import FedAdagrad, FedAdam, FedYogi

@@ -305,8 +305,8 @@ class CountingFedAvg(algorithms.FedAvg):
 
     vectorizable = True
 
-    def server_update(self, global_params, averaged_extra, round_idx) -> None:
-        self.seen = self.num_aggregated
+    def server_update(self, global_params, averaged_extra, facts) -> None:
+        self.seen = facts.num_aggregated
 
 
 def test_server_state_that_reads_the_unnoised_count_is_refused() -> None:
@@ -371,8 +371,8 @@ def test_train_py_prints_epsilon_beside_the_accuracy(tmp_path: Path, capsys: pyt
 @pytest.mark.slow  # four short train.py runs
 def test_runs_batched_on_the_run_axis_equal_solo_runs_with_dp_on(tmp_path: Path) -> None:
     from fl_lightning.cli import train_config
-    from fl_lightning.engine.run_axis import BatchedRuns
-    from fl_lightning.engine.run_axis.__main__ import seed_runs
+    from fl_lightning.experiment.run_axis import BatchedRuns
+    from fl_lightning.experiment.run_axis.__main__ import seed_runs
 
     config = str(Path(__file__).resolve().parents[2] / "configs/dp/digits_fedrep.yaml")
     args = ["--trainer.max_steps", "3", "--trainer.val_check_interval", "1", "--checkpoint_every", "1",

@@ -15,16 +15,9 @@ from torch.func import functional_call, grad_and_value
 from torch.nn import functional as F
 
 import fl_lightning.engine.stacked as executors
-from fl_lightning.client import (
-    ClientContext,
-    ClientOptimizer,
-    Objective,
-    Penalty,
-    loss_fn_for,
-    state_name,
-    state_template,
-)
+from fl_lightning.client import ClientOptimizer, Objective, Penalty, state_name
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, loss_fn_for, state_template
 from fl_lightning.engine.stacked import (
     BatchedAdam,
     BatchedSGD,
@@ -1478,7 +1471,6 @@ def test_client_by_client_steps_are_counted_on_the_device() -> None:
 def test_an_optimizer_without_batched_form_is_named_in_the_log(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
     adagrad = ClientOptimizer(batch_size=10, factory=functools.partial(torch.optim.Adagrad, lr=LR))
@@ -1505,7 +1497,6 @@ class DoublingAhead(Doubling):
 
 
 def _augmented_head_phase(augment: Doubling, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    monkeypatch.setattr(executors, "_fallbacks_logged", set())
     xs, ys = data()
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
     params = stacked_params(net, 2)
@@ -1801,7 +1792,7 @@ def test_custom_gradient_gets_unit_weights_on_the_batch_device() -> None:
     for an accelerator), and sets every leaf's ``grad`` to what it returns."""
     from types import SimpleNamespace
 
-    from fl_lightning.client import ClientContext
+    from fl_lightning.engine.sequential import ClientContext
 
     seen: list[Tensor] = []
 

@@ -56,7 +56,7 @@ def config(algorithm: str, network: str = "fl_lightning.models.DigitsMLP", **tra
 # ---- which runs share a job ---------------------------------------------------------------------------------------
 
 
-def test_runs_group_by_algorithm_class_and_network_in_grid_order():
+def test_runs_group_by_their_identity_in_grid_order():
     configs = [
         config("FedAvg"),
         config("FedRep"),
@@ -65,8 +65,10 @@ def test_runs_group_by_algorithm_class_and_network_in_grid_order():
         config("FedRep"),
         config("FedAvg", devices=2),  # a multi-process trainer trains alone
         None,  # not resolved: alone
+        {**config("FedAvg"), "seed_everything": 3},  # another seed: the same job
+        {**config("FedAvg"), "data": {"init_args": {"val_fraction": 0.1}}},  # any other key: a job of its own
     ]
-    assert batch_groups(list(range(7)), configs, None) == [[0, 2], [1, 4], [3], [5], [6]]
+    assert batch_groups(list(range(9)), configs, None) == [[0, 2, 7], [1, 4], [3], [5], [6], [8]]
 
 
 def test_the_limit_splits_a_group_and_one_turns_batching_off():
@@ -107,15 +109,38 @@ def summaries(root: Path, name: str) -> dict[str, dict]:
     }
 
 
+#: labels one key apart from FedAvg's (issue 40: each of these once got another label's numbers when batched)
+ONE_KEY_APART = {
+    "fedavg_drop_last": {"config": f"{DIGITS}/fedavg.yaml", "model.drop_last": True},
+    "fedavg_loop": {"config": f"{DIGITS}/fedavg.yaml", "model.executor": "sequential"},
+    "fedavg_uniform": {"config": f"{DIGITS}/fedavg.yaml", "model.aggregation": "uniform"},
+    "fedavg_val": {"config": f"{DIGITS}/fedavg.yaml", "data.val_fraction": 0.2},
+    "fedavg_e2": {"config": f"{DIGITS}/fedavg.yaml", "model.algorithm.init_args.local_epochs": 2},
+}
+
+
+def results_by_label(root: Path, name: str) -> dict[tuple, float]:
+    """The experiment's ``results.json`` (what its table prints) as (method, metric, setting, seed) → value, without
+    the wall time."""
+    records = json.loads((root / name / "results.json").read_text())
+    return {(r["method"], r["metric"], r.get("setting", ""), r.get("seed")): r["value"] for r in records
+            if r["metric"] != "wall_s"}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_batched_by_default_with_the_numbers_of_each_run_alone(tmp_path, capsys):
+    """Labels that differ from FedAvg in one key only (client learning rate, ``drop_last``, the executor, the
+    aggregation, the validation split, an algorithm argument) and FedRep, 2 seeds each: batched by default, each
+    label's seeds are one job and every run's numbers (its summary, the printed table) equal ``--batch-runs 1``."""
+    data = grid("same")
+    data["axes"]["method"].update(ONE_KEY_APART)
     path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(grid("same")))
+    path.write_text(yaml.safe_dump(data))
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "batched")]) == 0
     err = capsys.readouterr().err
     batches = [ln for ln in err.splitlines() if ln.startswith("[batch]")]
-    # FedAvg's four runs (two seeds × two learning rates) share one job, FedRep's two seeds another
-    assert len(batches) == 2 and "(4 runs)" in batches[0] and "(2 runs)" in batches[1]
+    # each label's two seeds share a job, and no two labels do (issue 40)
+    assert len(batches) == 3 + len(ONE_KEY_APART) and all("(2 runs)" in b for b in batches)
 
     assert main(["run", str(path), "--runs-dir", str(tmp_path / "alone"), "--batch-runs", "1"]) == 0
     assert "[batch]" not in capsys.readouterr().err
@@ -127,10 +152,15 @@ def test_batched_by_default_with_the_numbers_of_each_run_alone(tmp_path, capsys)
     assert "[batch]" not in capsys.readouterr().err
 
     batched, alone = summaries(tmp_path / "batched", "same"), summaries(tmp_path / "alone", "same")
-    assert sorted(batched) == sorted(alone) and len(batched) == 6
+    assert sorted(batched) == sorted(alone) and len(batched) == 2 * (3 + len(ONE_KEY_APART))
     for run, mine in batched.items():
         for key in ("final", "last10", "best", "upload_bytes"):
-            assert math.isfinite(mine[key]) and mine[key] == pytest.approx(alone[run][key], abs=1e-5), (run, key)
+            assert math.isfinite(mine[key]) and mine[key] == alone[run][key], (run, key)
+        label = run.split("/")[0]
+        assert len(mine["ran"]["batch"]["runs"]) == 2 and all(label in r for r in mine["ran"]["batch"]["runs"])
+        assert alone[run]["ran"]["batch"] is None
+    assert batched["fedavg_loop/s0"]["ran"]["executor"] == "sequential" != batched["fedavg/s0"]["ran"]["executor"]
+    assert results_by_label(tmp_path / "batched", "same") == results_by_label(tmp_path / "alone", "same")
     # the two learning rates are different runs with different numbers (not one run reported twice)
     assert batched["fedavg/s0"]["final"] != batched["fedavg_lr05/s0"]["final"] or (
         batched["fedavg/s0"]["last10"] != batched["fedavg_lr05/s0"]["last10"]
@@ -182,3 +212,34 @@ def test_ctrl_c_stops_a_batch_and_the_same_command_resumes_each_run(tmp_path, mo
         log = (d / "train.log").read_text()
         assert log.count("====") == 2 and "--ckpt_path last" in log.split("====")[-1]  # resumed
         assert json.loads((d / "summary.json").read_text())["rounds"] == 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_runs", [None, 1])
+def test_every_train_log_says_its_path_and_warnings_batched_or_alone(tmp_path, capsys, batch_runs):
+    """FedBN on a BatchNorm1d network, 3 seeds, on the stacked path (``auto``) and on the loop: batched (one job of
+    3 per label) or one run at a time in one process, every run's ``train.log`` holds its own executor line and the
+    BatchNorm1d skip warning (batches of 8: some client ends on 1 sample), and no logging error (issue 40)."""
+    data = grid("logs", **({"batch_runs": batch_runs} if batch_runs else {}))
+    data["axes"] = {
+        "method": {"fedbn": f"{DIGITS}/fedbn.yaml",
+                   "fedbn_loop": {"config": f"{DIGITS}/fedbn.yaml", "model.executor": "sequential"}},
+        "seed": [0, 1, 2],
+    }  # fmt: skip
+    data["set"]["model.batch_size"] = 8
+    data["set"]["model.network"] = {"class_path": "tests.engine.test_drop_last_and_summary.BNMLP"}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 0
+    err = capsys.readouterr().err
+    assert sum(ln.startswith("[batch]") for ln in err.splitlines()) == (2 if batch_runs is None else 0)
+    logs = sorted((tmp_path / "runs" / "logs").glob("*/*/train.log"))
+    assert len(logs) == 6
+    for log in logs:
+        text = log.read_text()
+        path_line = "executor: sequential (model.executor: sequential)" if "fedbn_loop" in str(log) else \
+            "executor: stacked (FedBN is vectorizable"  # fmt: skip
+        assert text.count(path_line) == 1, (log, text[-2000:])
+        assert text.count("a client's last minibatch of 1 sample is skipped") == 1, log
+        assert "Logging error" not in text and "I/O operation on closed file" not in text, log
+        assert ("run axis: " in text) == (batch_runs is None), log

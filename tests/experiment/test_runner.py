@@ -345,7 +345,7 @@ def test_train_py_accepts_the_arguments_a_sweep_agent_sends():
 
 
 def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tiny_grid):
-    from fl_lightning.experiment.wandb_files import offline_runs
+    from fl_lightning.wandb_files import offline_runs
 
     _, runs_dir, code, _ = tiny_grid
     assert code == 0

@@ -7,8 +7,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models.split import SplitModel
 from tests.helpers.clients import client_context
 

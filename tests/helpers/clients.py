@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.client_data import ClientSplit
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext
 
 
 def ranged_client_split(rows: list[int], features: int, classification: bool) -> ClientSplit:

@@ -11,8 +11,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel
 from tests.helpers.asserts import assert_close_finite

@@ -7,8 +7,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fl_lightning.client import ClientContext, ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import ClientContext, loss_fn_for
 from tests.helpers.clients import client_context
 from tests.helpers.models import LinearRegressor
 

@@ -12,7 +12,8 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
-from fl_lightning.client import ClientContext, ClientOptimizer
+from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.models import CifarCNN
 from fl_lightning.models.split import SplitModel
 from tests.helpers.clients import client_context

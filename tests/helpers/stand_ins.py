@@ -14,3 +14,15 @@ def with_trainer(owner: T, **attributes: Any) -> T:
     ``attributes`` (a missing one raises ``AttributeError``, as a hook reading more than it should must fail)."""
     owner.trainer = SimpleNamespace(**attributes)
     return owner
+
+
+class Recorder:
+    """Stands in for a method: records each call's arguments and returns a fixed value."""
+
+    def __init__(self, result: Any = None) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.result = result
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((args, kwargs))
+        return self.result

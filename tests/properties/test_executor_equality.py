@@ -26,9 +26,10 @@ from fl_lightning.algorithms import (
     PerFedAvg,
 )
 from fl_lightning.cli import train_config
-from fl_lightning.client import ClientOptimizer, loss_fn_for
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.sequential import loss_fn_for
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, stacked_forward, unstack
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from tests.helpers.asserts import assert_close_finite
@@ -327,10 +328,8 @@ def test_new_clients_fine_tune_a_fresh_head_and_both_paths_agree():
 def test_lstm_falls_back_to_clients_in_turn_logged_once_with_the_same_results(name, caplog, monkeypatch):
     """Sent140's LSTM has no batching rule for per-client weights: its phases run client by client (one warning);
     FedRep's head phase still computes the frozen shared LSTM body's features in one pass."""
-    from fl_lightning.engine import stacked as executors
     from fl_lightning.models import Sent140LSTM
 
-    monkeypatch.setattr(executors, "_fallbacks_logged", set())
     torch.manual_seed(0)
     net = Sent140LSTM(vocab_size=50, embed_dim=8, hidden=8, fc=4)
     glob = {n: p.detach().clone() for n, p in net.named_parameters()}

@@ -119,8 +119,9 @@ def test_round_without_survivors_leaves_the_global_model_unchanged(caplog):
 
 def test_straggler_stops_after_its_budget_of_local_steps():
     """A straggler with budget ½ of 2 epochs uploads exactly what 1 epoch gives (same data order)."""
-    from fl_lightning.client import ClientOptimizer, loss_fn_for
+    from fl_lightning.client import ClientOptimizer
     from fl_lightning.engine.rounds import make_generator
+    from fl_lightning.engine.sequential import loss_fn_for
 
     torch.manual_seed(0)
     net = DigitsMLP()

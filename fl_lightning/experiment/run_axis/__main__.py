@@ -1,4 +1,4 @@
-"""``python -m fl_lightning.engine.run_axis [train.py args…] --seeds 0,1,2 | --runs FILE.json``: one batched job."""
+"""``python -m fl_lightning.experiment.run_axis [train.py args…] --seeds 0,1,2 | --runs FILE.json``: one batched job."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 from fl_lightning.errors import ConfigError
 
 USAGE = """\
-usage: python -m fl_lightning.engine.run_axis --config CONFIG.yaml [--config MORE.yaml] [--key VALUE ...] --seeds 0,1,2
-       python -m fl_lightning.engine.run_axis --runs RUNS.json
+usage: python -m fl_lightning.experiment.run_axis --config CONFIG.yaml [--config MORE.yaml] [--key VALUE ...]
+           --seeds 0,1,2
+       python -m fl_lightning.experiment.run_axis --runs RUNS.json
 
 Trains several train.py runs as one batched job (their clients of each round trained together); every run writes
 its own run dir exactly as train.py does.
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args in (["-h"], ["--help"]):
         print(USAGE, end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
-    from fl_lightning.engine.run_axis.driver import BatchedRuns
     from fl_lightning.errors import one_line
+    from fl_lightning.experiment.run_axis.driver import BatchedRuns
 
     try:
         names = logs = None
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--seeds {text!r}: expected comma-separated integers") from None
             if not seeds:
                 raise ConfigError("--seeds: expected comma-separated integers")
+            twice = sorted({s for s in seeds if seeds.count(s) > 1})
+            if twice:
+                raise ConfigError(f"--seeds {text}: seed {twice[0]} is given twice (each seed is one run with its own "
+                                  "run dir <run_dir>/s<seed>); give each seed once")  # fmt: skip
             runs = seed_runs(args[:j] + args[j + 2 :], seeds)
         else:
             raise ConfigError("give --seeds S1,S2,... or --runs FILE.json")

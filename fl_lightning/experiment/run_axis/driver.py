@@ -8,16 +8,14 @@ the other runs' clients of the same round (``cohorts``), and its data rows in on
 starting every run with ``--ckpt_path last`` again (alone or batched, with any partners: a run's numbers do not
 depend on them).
 
-Runs share a batch when they have the same algorithm class and network; other configs are refused before
-anything starts (``check_batchable``). Everything else may differ: seed (and with it the partition, the cohorts
-and the data order), data set, number of clients, cohort size, learning rates, server optimiser, rounds,
-evaluation schedule. Runs whose client update cannot share a call (other client learning rate, other algorithm
-hyper-parameters) still share the lockstep and train in their own call of each step.
+Runs share a batch when their identities are equal but for the seed (``batching.batch_key``, derived from the
+resolved configs: ``check_batchable`` refuses others before anything starts, naming the first key that differs).
+What a resume may change may differ too (rounds, callbacks, logging, W&B, checkpoint cadence). Each run trains on
+the path it takes alone (``executor.decide``); the stacked ones train their clients together in one call per round.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -27,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_lightning.engine.run_axis.cohorts import combinable
-from fl_lightning.engine.run_axis.lockstep import Interrupted, Lockstep
-from fl_lightning.engine.run_axis.shared_data import RowPool
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.run_axis.batching import CARRIED_PER_RUN, batch_differences, batch_key, multi_process
+from fl_lightning.experiment.run_axis.lockstep import Interrupted, Lockstep
+from fl_lightning.experiment.run_axis.shared_data import RowPool
 
 
 @dataclass
@@ -54,7 +52,7 @@ def parse_config(args: Sequence[str]) -> dict[str, Any]:
 def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
     """``parse_config`` of every argument list, once per distinct list without the arguments that only name or
     seed a run (``experiment.validation.naming_free``: a grid's seeds parse once; parsing builds train.py's whole
-    parser). What the batch check reads (algorithm, network, trainer, W&B mode) does not depend on those."""
+    parser). The batch key does not depend on those (``batching.CARRIED_PER_RUN`` and what a resume may change)."""
     from fl_lightning.experiment.validation import naming_free
 
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -67,43 +65,43 @@ def parse_configs(arg_lists: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
     return out
 
 
-def batch_signature(config: dict[str, Any]) -> dict[str, str]:
-    """What runs of one batch must share: the algorithm class and the network (class and arguments)."""
-    model = config.get("model") or {}
-    algorithm = (model.get("algorithm") or {}).get("class_path", "?")
-    network = model.get("network") or {}
-    return {
-        "algorithm": str(algorithm),
-        "network": json.dumps({"class_path": network.get("class_path"), **(network.get("init_args") or {})},
-                              sort_keys=True, default=str),
-    }  # fmt: skip
-
-
 def check_batchable(configs: Sequence[dict[str, Any]], names: Sequence[str] | None = None) -> None:
-    """One ``ConfigError`` line if the runs cannot share a batch (other algorithm class or network, or a
-    multi-process trainer)."""
+    """One ``ConfigError`` line if the runs cannot share a batch: a multi-process trainer, or an identity that
+    differs from the first run's in more than what the run axis carries per run (``batching``)."""
     names = list(names or [f"run {i}" for i in range(len(configs))])
-    first = batch_signature(configs[0])
     for name, config in zip(names, configs):
-        trainer = config.get("trainer") or {}
-        devices, nodes, strategy = trainer.get("devices"), trainer.get("num_nodes") or 1, str(trainer.get("strategy"))
-        if (isinstance(devices, int) and devices > 1) or (isinstance(devices, list) and len(devices) > 1) or nodes > 1 \
-                or "ddp" in strategy or "fsdp" in strategy:  # fmt: skip
+        why = multi_process(config)
+        if why:
+            raise ConfigError(f"{name}: batched runs train in one process; {why} (run it without batching)")
+        diffs = batch_differences(configs[0], config)
+        if diffs:
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
             raise ConfigError(
-                f"{name}: batched runs train in one process; trainer.devices={devices}, num_nodes={nodes}, "
-                f"strategy={strategy} needs one process per device (run it without batching)"
+                f"{name} cannot share a batch with {names[0]}: {_short(diffs[0])}{more}; a batched job's runs differ "
+                f"only in {', '.join(CARRIED_PER_RUN)} and what a resume may change (run them as separate jobs)"
             )
-        mine = batch_signature(config)
-        for key in ("algorithm", "network"):
-            if mine[key] != first[key]:
-                raise ConfigError(
-                    f"{name} cannot share a batch with {names[0]}: {key} {_short(mine[key])} vs {_short(first[key])} "
-                    "(batched runs need the same algorithm class and network)"
-                )
+
+
+def check_own_run_dirs(
+    arg_lists: Sequence[Sequence[str]], configs: Sequence[dict[str, Any]], names: Sequence[str]
+) -> None:
+    """One ``ConfigError`` line if two runs of a job would write one run dir (their files would mix): each run's
+    last ``--run_dir`` argument, else its config's."""
+    seen: dict[str, str] = {}
+    for name, args, config in zip(names, arg_lists, configs):
+        given = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
+                 if a.split("=", 1)[0] == "--run_dir" and ("=" in a or i + 1 < len(args))]  # fmt: skip
+        run_dir = given[-1] if given else config.get("run_dir")
+        if run_dir is None:
+            continue
+        key = str(Path(str(run_dir)).resolve())
+        if key in seen:
+            raise ConfigError(f"{name} and {seen[key]} both write run_dir {run_dir}: give each run its own --run_dir")
+        seen[key] = name
 
 
 def _short(text: str) -> str:
-    return text if len(text) < 90 else text[:87] + "..."
+    return text if len(text) < 160 else text[:157] + "..."
 
 
 def _allow_concurrent_wandb_runs(configs: Sequence[dict[str, Any]]) -> None:
@@ -141,6 +139,7 @@ class BatchedRuns:
         self.configs = list(configs) if configs is not None else parse_configs(self.arg_lists) if check else []
         if check:
             check_batchable(self.configs, self.names)
+            check_own_run_dirs(self.arg_lists, self.configs, self.names)
         self.lockstep = Lockstep()
         self.pool = RowPool()
         self.outcomes = [RunOutcome(a) for a in self.arg_lists]
@@ -190,13 +189,13 @@ class BatchedRuns:
                     raise
 
     def _join(self, i: int, cli: Any) -> None:
-        """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep."""
+        """Right before run ``i`` trains: pin its seed, put its rows in the shared pool, join the lockstep under
+        the batch key of its own resolved config (whatever the caller said of it)."""
         datamodule, module = cli.datamodule, cli.model
         datamodule.seed = datamodule.resolved_seed  # PL_GLOBAL_SEED is process-wide: the next run's parse resets it
         datamodule.federated = self.pool.share(datamodule.federated)
         module.run_axis = self.lockstep
-        if combinable(module):  # its clients train stacked: it evaluates with the vectorized executor's paths too
-            module.executor = "vectorized"
+        self.lockstep.join(module, batch_key(cli.config.as_dict()), self.names[i], self.names)
         self.modules[i] = module
         if self._before_fit is not None:
             self._before_fit(i, cli)

@@ -20,13 +20,13 @@ from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler, make_generator
-from fl_lightning.engine.run_axis import BatchedRuns, check_batchable, parse_config
-from fl_lightning.engine.run_axis.__main__ import main as run_axis_main
-from fl_lightning.engine.run_axis.__main__ import seed_runs
-from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
-from fl_lightning.engine.run_axis.shared_data import RowPool, SharedRowsSplit
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stackable, stacked_forward
 from fl_lightning.errors import ConfigError
+from fl_lightning.experiment.run_axis import BatchedRuns, check_batchable, parse_config
+from fl_lightning.experiment.run_axis.__main__ import main as run_axis_main
+from fl_lightning.experiment.run_axis.__main__ import seed_runs
+from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest, RunsContext
+from fl_lightning.experiment.run_axis.shared_data import RowPool, SharedRowsSplit
 from fl_lightning.models import DigitsMLP
 from tests.helpers.asserts import assert_close_finite
 
@@ -115,7 +115,7 @@ def test_a_batched_job_resumes_from_its_runs_checkpoints(tmp_path):
     an uninterrupted run."""
     runs = seed_runs([*QUICK, "--checkpoint_every", "1", "--run_dir", str(tmp_path / "job")], [0, 1])
     crashing = [
-        [*args, "--trainer.callbacks+=tests.engine.test_run_axis.CrashAt", f"--trainer.callbacks.round={r}"]
+        [*args, "--trainer.callbacks+=tests.experiment.test_run_axis.CrashAt", f"--trainer.callbacks.round={r}"]
         for args, r in zip(runs, (1, 3))
     ]
     logs = [tmp_path / "s0.log", tmp_path / "s1.log"]
@@ -141,11 +141,17 @@ def test_configs_that_cannot_share_a_batch_are_refused_with_one_line(tmp_path, c
     fedrep = [*base, "--config", str(ROOT / "configs/digits/fedrep.yaml")]
     wide = [*fedavg, "--model.network.init_args.hidden=[256,64]"]
     configs = [parse_config(a) for a in (fedavg, fedrep, wide)]
-    with pytest.raises(ConfigError, match="run 1 cannot share a batch with run 0: algorithm .*FedRep vs .*FedAvg"):
+    with pytest.raises(ConfigError, match=r"run 1 cannot share a batch with run 0: model.algorithm.class_path "
+                                          r'"fl_lightning.algorithms.FedAvg" -> "fl_lightning.algorithms.FedRep" '
+                                          r"\(and \d+ more\); a batched job's runs differ only in seed_everything"):
         check_batchable(configs[:2])
-    with pytest.raises(ConfigError, match="cannot share a batch .*: network .*256"):
+    with pytest.raises(ConfigError, match=r"cannot share a batch .*: model.network.hidden \[128, 64\] -> \[256, 64\];"):
         check_batchable([configs[0], configs[2]])
-    check_batchable([configs[0], parse_config([*fedavg, "--model.lr", "0.05", "--seed_everything", "3"])])
+    with pytest.raises(ConfigError, match=r": model.lr 0.05 -> 0.01; "):  # a client learning rate: another job
+        check_batchable([parse_config([*fedavg, "--model.lr", "0.05"]), configs[0]])
+    with pytest.raises(ConfigError, match=r": model.drop_last false -> true; "):
+        check_batchable([configs[0], parse_config([*fedavg, "--model.drop_last", "true"])])
+    check_batchable([configs[0], parse_config([*fedavg, "--seed_everything", "3", "--trainer.max_steps", "7"])])
     ddp = parse_config([*fedavg, "--trainer.devices", "2", "--trainer.strategy", "ddp"])
     with pytest.raises(ConfigError, match="one process"):
         check_batchable([configs[0], ddp])
@@ -181,13 +187,14 @@ def digits_module(seed: int, algorithm: Algorithm, **kwargs) -> FederatedModule:
     return module
 
 
-def requests_for(modules: list[FederatedModule], round_idx: int, budgets=None) -> list[CohortRequest]:
+def requests_for(modules: list[FederatedModule], round_idx: int, budgets=None, keys=None) -> list[CohortRequest]:
+    """Each module's round as a request; ``keys``: each run's batch key (default: one key, the runs of one job)."""
     out = []
-    for m in modules:
+    for m, key in zip(modules, keys or ["one job"] * len(modules)):
         cohort = ClientSampler(m.fed.num_clients, 3, m.fed.seed).sample(round_idx).tolist()
         out.append(
             CohortRequest(m, cohort, round_idx, m.global_params(), [m.bank.get(c) for c in cohort],
-                          list(budgets or [1.0] * len(cohort)))
+                          list(budgets or [1.0] * len(cohort)), key)
         )  # fmt: skip
     return out
 
@@ -239,9 +246,9 @@ def test_runs_with_their_own_server_state_share_one_call_each_client_with_its_ru
 def test_kept_adam_state_and_other_learning_rates_are_per_run():
     adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
     modules = [digits_module(s, FedAvg(1), client_optimizer=adam, keep_client_optimizer_state=True) for s in (0, 1)]
-    modules.append(digits_module(2, FedAvg(1), lr=0.05))  # another client optimiser: its own call of the step
+    modules.append(digits_module(2, FedAvg(1), lr=0.05))  # another client optimiser: another key, its own call
     executor = CohortExecutor()
-    requests = requests_for(modules, round_idx=0)
+    requests = requests_for(modules, round_idx=0, keys=["adam", "adam", "sgd lr 0.05"])
     executor.run(requests)
     assert executor.calls == 2
     for req in requests:
@@ -371,7 +378,7 @@ def test_stacked_mlp_gradients_equal_each_clients_own(act, task):
 
 def test_runs_that_differ_only_in_naming_and_seed_are_parsed_once(monkeypatch):
     """A grid's seeds share one parse (building train.py's parser is a large part of a short batched job)."""
-    from fl_lightning.engine.run_axis import driver
+    from fl_lightning.experiment.run_axis import driver
 
     base = ["--config", str(ROOT / "configs/digits/base.yaml"), "--config", str(ROOT / "configs/digits/fedavg.yaml")]
     seeds = [[*base, f"--seed_everything={s}", "--run_dir", f"/tmp/r/s{s}", f"--wandb.name=s{s}"] for s in range(3)]
@@ -382,3 +389,39 @@ def test_runs_that_differ_only_in_naming_and_seed_are_parsed_once(monkeypatch):
     assert parsed == [seeds[0], other]
     assert configs[0] is configs[1] is configs[2] and configs[3]["model"]["lr"] == 0.05
     assert configs[0]["model"] == parse_config(seeds[2])["model"]
+
+
+def test_two_runs_of_one_job_never_write_one_run_dir(tmp_path, capsys):
+    """``--seeds 0,0`` and a ``--runs`` file whose runs name one ``--run_dir`` are refused in one line before
+    anything is written (issue 45: two threads once wrote one run dir)."""
+    assert run_axis_main([*QUICK, "--run_dir", str(tmp_path / "job"), "--seeds", "0,1,0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --seeds 0,1,0: seed 0 is given twice (each seed is one run with its own run dir "
+                   "<run_dir>/s<seed>); give each seed once"]  # fmt: skip
+    runs = tmp_path / "runs.json"
+    same = str(tmp_path / "one")
+    runs.write_text(json.dumps([[*QUICK, "--run_dir", same], [*QUICK, "--seed_everything", "1", f"--run_dir={same}"]]))
+    assert run_axis_main(["--runs", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: run 1 and run 0 both write run_dir {same}: give each run its own --run_dir"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.json"]
+
+
+def test_what_the_engine_says_inside_a_shared_step_is_in_every_runs_log(tmp_path):
+    """Two seeds batched on the stacked path with a client optimiser that has no batched form (Adagrad): the stacked
+    call says it falls back once, in the thread of the run that arrived last; each run's own log holds the line once,
+    with its own executor and run-axis lines, and no logging error (issue 40)."""
+    adagrad = ["--model.executor", "vectorized", "--model.client_optimizer", "torch.optim.Adagrad"]
+    runs = seed_runs([*QUICK, *adagrad, "--trainer.max_steps", "2", "--run_dir", str(tmp_path / "job")], [0, 1])
+    logs = [tmp_path / "s0.log", tmp_path / "s1.log"]
+    outcomes = BatchedRuns(runs, ["s0", "s1"], logs=logs).run()
+    assert [o.status for o in outcomes] == ["done", "done"], [o.error for o in outcomes]
+    for log, name in zip(logs, ["s0", "s1"]):
+        text = log.read_text()
+        assert text.count("vectorized executor: client optimizer Adagrad has no batched form: clients run in turn") == 1
+        assert text.count("executor: stacked (model.executor: vectorized)") == 1
+        assert text.count(f"run axis: {name} is one of a batched job of 2 runs") == 1
+        assert "Logging error" not in text
+        ran = json.loads((tmp_path / "job" / name / "summary.json").read_text())["ran"]
+        assert ran == {"executor": "stacked", "reason": "model.executor: vectorized",
+                       "batch": {"runs": ["s0", "s1"], "stacked_with": ["s1" if name == "s0" else "s0"]}}  # fmt: skip

@@ -10,17 +10,31 @@ on which other runs share its steps: its clients get the same data, generators a
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, TextIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params
-from fl_lightning.engine.run_axis.cohorts import CohortExecutor, CohortRequest
+from fl_lightning.experiment.run_axis.cohorts import CohortExecutor, CohortRequest, replay_notes, shares_calls
 
 if TYPE_CHECKING:
+    from fl_lightning.engine.executor import Decision
     from fl_lightning.engine.module import FederatedModule
+
+log = logging.getLogger("fl_lightning")
+
+
+@dataclass
+class Member:
+    """A run of the job: its name, its batch key (``batching.batch_key``) and how its clients trained."""
+
+    name: str
+    key: str
+    stacked_with_others: bool | None = None  #: set at its first round
 
 
 class Interrupted(RuntimeError):
@@ -41,6 +55,38 @@ class Lockstep:
         self.logs: dict[int, TextIO] = {}  #: thread id → the file its run prints to (``activate``)
         self._active: TextIO | None = None
         self._saved: tuple[int, int, TextIO, TextIO] | None = None
+        self.members: dict[int, Member] = {}  #: id(module) → the run (``join``)
+        self.names: list[str] = []  #: every run of the job
+
+    # ---- the record of what ran -----------------------------------------------------------------------------
+    def join(self, module: FederatedModule, key: str, name: str, names: list[str]) -> None:
+        """Run ``name`` (module ``module``, batch key ``key``) is one of the job's runs ``names``."""
+        self.members[id(module)] = Member(name, key)
+        self.names = list(names)
+
+    def describe(self, module: Any) -> dict[str, Any]:
+        """The job this run shared, for its ``summary.json`` and W&B config (``ran.batch``)."""
+        member = self.members.get(id(module))
+        together = [m.name for m in self.members.values() if member and m.key == member.key and m.stacked_with_others]
+        return {
+            "runs": list(self.names),
+            "stacked_with": [n for n in together if member is None or n != member.name]
+            if member and member.stacked_with_others else [],
+        }  # fmt: skip
+
+    def _request_key(self, module: FederatedModule, decision: Decision) -> str | None:
+        """The key under which the run's clients train with the other runs', or None where they train alone (the
+        run alone takes the loop, or its algorithm's server state cannot be shared); said once in its log."""
+        member = self.members.get(id(module))
+        key = member.key if member is not None and decision.stacked and shares_calls(module) else None
+        if member is not None and member.stacked_with_others is None:
+            member.stacked_with_others = key is not None
+            others = len(self.names) - 1
+            how = ("in one stacked call with the job's runs of the same config" if key is not None else
+                   f"on their own ({decision.path}), in the job's lockstep")  # fmt: skip
+            log.info("run axis: %s is one of a batched job of %d runs (with %d other%s); its clients train %s",
+                     member.name, len(self.names), others, "" if others == 1 else "s", how)  # fmt: skip
+        return key
 
     # ---- each run's console output to its own log -------------------------------------------------------------
     def activate(self) -> None:
@@ -82,13 +128,13 @@ class Lockstep:
 
     def run_clients(
         self, module: FederatedModule, clients: list[int], round_idx: int, glob: Params, states: list[Params],
-        budgets: list[float],
+        budgets: list[float], decision: Decision,
     ) -> list[ClientUpdate]:  # fmt: skip
-        """Hand in this run's clients of the round, wait for the step, return their updates (the calling thread
-        holds the lock, as every run thread does while it runs)."""
+        """Hand in this run's clients of the round (on the path ``decision`` the run takes alone), wait for the
+        step, return their updates (the calling thread holds the lock, as every run thread does while it runs)."""
         if self.stopping:
             raise Interrupted()
-        request = CohortRequest(module, clients, round_idx, glob, states, budgets)
+        request = CohortRequest(module, clients, round_idx, glob, states, budgets, self._request_key(module, decision))
         self.pending.append(request)
         self._maybe_execute()
         while not request.done:
@@ -96,6 +142,7 @@ class Lockstep:
             if self.stopping and not request.done:
                 raise Interrupted()
         self.activate()
+        replay_notes(module, request.notes)  # what the engine said while the step trained, in this run's log
         if request.error is not None:
             raise request.error
         return request.result

@@ -6,12 +6,13 @@ vectorized executor's ``VectorizedContext``): each client brings its own run's d
 stacked local updates are each run's own. The uploads and state rows are then split back per run; each run
 aggregates, steps its own server optimiser and evaluates in its own Lightning loop.
 
-Runs share one call when everything the call holds once is the same for them (``cohort_key``): the algorithm's
-class and hyper-parameters (and no server state an update could read, unless it broadcasts: then each client holds
-its own run's buffers for the call, ``each_runs_server_state``), the network's structure, the client
-optimiser of the round, the loss, the augmentation and whether optimiser state is kept. Others train in their
-own call of the same lockstep step. An algorithm that reads ``ctx.seed`` or ``ctx.round`` while the runs differ
-in it gets one call per run from then on (``MixedRunValue``).
+Runs share one call when their identities are equal but for what the run axis carries per run (``batching``:
+the batched job's runs were grouped by that key, derived from each run's resolved config) and each run alone would
+train its clients on the stacked path (``executor.decide``: a run that asks for the loop, or whose ``auto`` picks
+it, trains its own clients in its own loop in the lockstep). An algorithm with server state an update could read
+shares a call only if that state broadcasts: then each client holds its own run's buffers for the call
+(``each_runs_server_state``). An algorithm that reads ``ctx.seed`` or ``ctx.round`` while the runs differ in it
+gets one call per run from then on (``MixedRunValue``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.client import Params, factory_name, split_state
-from fl_lightning.engine.executor import Workload, choose_path, stacked_updates
+from fl_lightning.client import Params, split_state
+from fl_lightning.engine.executor import stacked_updates
+from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext, per_sample_loss_for, stack, unstack
 
@@ -137,21 +139,20 @@ class CohortRequest:
     glob: Params
     states: list[Params]
     budgets: list[float]
+    key: str | None = None  #: the run's batch key where its clients train stacked with others, else None (alone)
+    notes: list[logging.LogRecord] = field(default_factory=list)  #: what the engine said while they trained
     result: list[ClientUpdate] | None = None
     error: BaseException | None = None
     done: bool = False
 
 
-def combinable(module: FederatedModule) -> bool:
-    """Whether the run's local update runs on stacked clients (else it runs its own loop in the lockstep): the
-    stacked path can run it (``executor.choose_path`` asked for ``vectorized``: whether it wins does not depend on
-    one run's cohort, the runs' cohorts train together) and the algorithm has no server state an update could read,
-    or only buffers that it reads in broadcasting arithmetic (``Algorithm.server_state_broadcasts``)."""
+def shares_calls(module: FederatedModule) -> bool:
+    """Whether the run's stacked clients may train in one call with other runs' clients: its algorithm has no
+    server state an update could read, or only buffers it reads in broadcasting arithmetic
+    (``Algorithm.server_state_broadcasts``)."""
     algorithm = module.algorithm
     buffers = any(True for _ in algorithm.buffers()) and not algorithm.server_state_broadcasts
-    server_state = any(True for _ in algorithm.parameters()) or buffers
-    can = choose_path(algorithm, module.net, module.device, Workload(clients=1), "vectorized").stacked
-    return can and not server_state
+    return not (any(True for _ in algorithm.parameters()) or buffers)
 
 
 @contextmanager
@@ -177,54 +178,9 @@ def each_runs_server_state(requests: Sequence[CohortRequest], slices: Sequence[t
             algorithm.get_submodule(owner)._buffers[leaf] = b
 
 
-_SKIP = ("training", "num_aggregated")
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (int, float, str, bool, type(None))):
-        return value
-    if isinstance(value, (tuple, list, frozenset, set)):
-        items = [_plain(v) for v in value]
-        return tuple(sorted(items, key=repr)) if isinstance(value, (set, frozenset)) else tuple(items)
-    return repr(value)  # an object without a value-like repr keeps its address: never equal across runs
-
-
-def cohort_key(module: FederatedModule) -> tuple:
-    """What must agree for runs to share one stacked call (see the module docstring)."""
-    if not combinable(module):
-        return ("alone", id(module))
-    algorithm, net, fed = module.algorithm, module.net, module.fed
-    settings = module.round_optimizers.client_settings()
-    hyper = tuple(sorted((k, _plain(v)) for k, v in vars(algorithm).items() if k[0] != "_" and k not in _SKIP))
-    structure = (
-        type(net),
-        repr(net),
-        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in net.named_parameters()),
-        tuple((n, tuple(b.shape), b.dtype) for n, b in net.named_buffers()),
-    )
-    optimizer = (
-        settings.lr, settings.momentum, settings.weight_decay, settings.batch_size, settings.decay_bias,
-        factory_name(settings.factory), _optimizer_defaults(module),
-    )  # fmt: skip
-    augment = None if fed.augment is None else (type(fed.augment), _plain(sorted(vars(fed.augment).items())))
-    return (
-        type(algorithm), hyper, structure, optimizer, module.keep_client_optimizer_state, fed.num_classes is None,
-        augment, fed.side is None, str(fed.train.y.device),
-    )  # fmt: skip
-
-
-def _optimizer_defaults(module: FederatedModule) -> tuple:
-    cached = getattr(module, "_run_axis_optimizer_defaults", None)
-    if cached is None:
-        probe = module.round_optimizers.client.probe()
-        cached = tuple(sorted((k, _plain(v)) for k, v in probe.defaults.items() if k != "lr"))
-        module._run_axis_optimizer_defaults = cached
-    return cached
-
-
 def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     """The local updates of every request's clients in one ``client_update`` call of the first run's algorithm
-    (the requests share a ``cohort_key``)."""
+    (the requests share a batch key: everything but the seed is the first run's)."""
     first = requests[0].module
     xs, ys, sides, gens, budgets, rounds, seeds, clients = [], [], [], [], [], [], [], []
     globs, states, kept, slices = [], [], [], []
@@ -271,7 +227,8 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
 
 @dataclass
 class CohortExecutor:
-    """Runs a lockstep step: groups the requests by ``cohort_key`` and trains each group in one call."""
+    """Runs a lockstep step: groups the requests by their batch key and trains each group in one call (a request
+    without a key: its run's own ``run_clients``)."""
 
     per_run: set = field(default_factory=set)  #: keys whose algorithm reads a per-run value (one call per run)
     calls: int = 0  #: stacked calls made (for tests and the benchmark)
@@ -279,36 +236,73 @@ class CohortExecutor:
     def run(self, requests: Sequence[CohortRequest]) -> None:
         groups: dict[tuple, list[CohortRequest]] = {}
         for req in requests:
-            groups.setdefault(cohort_key(req.module), []).append(req)
+            groups.setdefault(("alone", id(req.module)) if req.key is None else ("stacked", req.key), []).append(req)
         for key, group in groups.items():
-            try:
-                if key[0] == "alone":
-                    for req in group:
-                        req.result = _alone(req)
-                elif key in self.per_run:
-                    for req in group:
-                        req.result = run_stacked([req])[0]
-                        self.calls += 1
-                else:
-                    try:
-                        results = run_stacked(group)
-                        self.calls += 1
-                    except MixedRunValue as exc:
-                        log.warning("run axis: %s; its runs train one call each", exc)
-                        self.per_run.add(key)
-                        results = [run_stacked([req])[0] for req in group]
-                        self.calls += len(group)
-                    for req, result in zip(group, results):
-                        req.result = result
-            except Exception as exc:  # every run of the group fails with the error
+            with held_notes() as notes:
+                self._train(key, group)
+            for req in group:  # each run says them in its own log (``Lockstep.run_clients``)
+                req.notes, req.done = list(notes), True
+
+    def _train(self, key: tuple, group: list[CohortRequest]) -> None:
+        """One group's clients: their runs' own ``run_clients`` (``alone``), or stacked in one call (one per run
+        once the algorithm has read a per-run value); an error fails every run of the group."""
+        try:
+            if key[0] == "alone":
                 for req in group:
-                    req.error = exc
+                    req.result = _alone(req)
+            elif key in self.per_run:
+                for req in group:
+                    req.result = run_stacked([req])[0]
+                    self.calls += 1
+            else:
+                try:
+                    results = run_stacked(group)
+                    self.calls += 1
+                except MixedRunValue as exc:
+                    log.warning("run axis: %s; its runs train one call each", exc)
+                    self.per_run.add(key)
+                    results = [run_stacked([req])[0] for req in group]
+                    self.calls += len(group)
+                for req, result in zip(group, results):
+                    req.result = result
+        except Exception as exc:  # every run of the group fails with the error
             for req in group:
-                req.done = True
+                req.error = exc
+
+
+@contextmanager
+def held_notes() -> Iterator[list[logging.LogRecord]]:
+    """The engine's log records (``fl_lightning`` and below) of the block, held instead of printed: a lockstep
+    step trains in the thread of the run that arrived last, whose log is the one open, so each run says them in its
+    own log afterwards (``replay_notes``)."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if not (record.name == "fl_lightning" or record.name.startswith("fl_lightning.")):
+            return True
+        if not any(r is record for r in held):  # one record passes every handler's filter
+            held.append(record)
+        return False
+
+    handlers = list(logging.getLogger("fl_lightning").handlers)
+    for h in handlers:
+        h.addFilter(hold)
+    try:
+        yield held
+    finally:
+        for h in handlers:
+            h.removeFilter(hold)
+
+
+def replay_notes(module: FederatedModule, notes: Sequence[logging.LogRecord]) -> None:
+    """``notes`` said in the calling run's log, each once per run (``engine.notes.say_once``)."""
+    for record in notes:
+        message = record.getMessage()
+        say_once(module.net, "note: " + message, record.levelno, "%s", message)
 
 
 def _alone(req: CohortRequest) -> list[ClientUpdate]:
-    """A run whose update cannot be stacked: its own ``run_clients`` (sequential or vectorized)."""
+    """A run whose clients train on their own: its own ``run_clients``, on the path it takes alone."""
     module, axis = req.module, req.module.run_axis
     module.run_axis = None
     try:
