@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Protocol
 
 import torch
@@ -284,9 +285,19 @@ def state_name(key: str, param: str) -> str:
     return f"{STATE_PREFIX}{key}.{param}"
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether parameter ``name`` falls under ``pattern``: a name prefix (``head.``; ``""`` matches everything), or,
+    when the pattern has a wildcard (``*``, ``?``, ``[``), a glob that matches the name or one of its dotted prefixes
+    (``*.lora_B`` matches ``body.lm.….query.lora_B.default.weight``; ``classifier.*`` matches ``classifier.weight``)."""
+    if not any(c in pattern for c in "*?["):
+        return name.startswith(pattern)
+    parts = name.split(".")
+    return any(fnmatchcase(".".join(parts[:k]), pattern) for k in range(len(parts), 0, -1))
+
+
 def select(names: Sequence[str], prefixes: Sequence[str]) -> list[str]:
-    """Names that start with any of ``prefixes`` (``""`` selects everything)."""
-    return [n for n in names if any(n.startswith(p) for p in prefixes)]
+    """Names under any of ``prefixes`` (``name_matches``: prefixes or glob patterns; ``""`` selects everything)."""
+    return [n for n in names if any(name_matches(n, p) for p in prefixes)]
 
 
 def per_client(value: Tensor | float, like: Tensor) -> Tensor | float:

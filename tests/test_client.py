@@ -177,3 +177,17 @@ def test_make_generator_is_a_cpu_stream_seeded_by_the_parts() -> None:
     assert a.device.type == "cpu" and a.initial_seed() == derive_seed(7, "train", 3, 2)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     assert make_generator(7, "train", 3, 1).initial_seed() != a.initial_seed()
+
+
+def test_name_matches_prefixes_and_glob_patterns():
+    """``client.name_matches``: a plain prefix as before; a pattern with a wildcard matches the name or one of its
+    dotted prefixes (LoRA names: ``….query.lora_B.default.weight``)."""
+    from fl_lightning.client import name_matches, select
+
+    b = "body.lm.base_model.model.encoder.layer.0.attention.self.query.lora_B.default.weight"
+    assert name_matches(b, "body.") and name_matches(b, "") and not name_matches(b, "head.")
+    assert name_matches(b, "*.lora_B") and not name_matches(b, "*.lora_A") and not name_matches(b, "lora_B")
+    assert name_matches(b, "*.layer.0.*") and not name_matches(b, "*.layer.1.*")
+    assert name_matches("head.weight", "head.*") and not name_matches("headx.weight", "head.*")
+    assert name_matches("classifier.weight", "classifier.*") and name_matches(b, "*.lora_[AB]")
+    assert select(["head.weight", b, "body.x"], ["*.lora_B", "head."]) == ["head.weight", b]

@@ -58,3 +58,13 @@ from fl_lightning.algorithms.moon import MOON  # noqa: E402
 from fl_lightning.algorithms.pfedme import PFedMe  # noqa: E402
 
 __all__ += ["FedDyn", "FedProto", "MOON", "PFedMe"]
+
+from fl_lightning.algorithms.feddpa import FedDPA  # noqa: E402
+from fl_lightning.algorithms.fedit import FedIT  # noqa: E402
+from fl_lightning.algorithms.fedsa_lora import FedSALoRA  # noqa: E402
+from fl_lightning.algorithms.ffa_lora import FFALoRA  # noqa: E402
+from fl_lightning.algorithms.flora import FLoRA  # noqa: E402
+
+#: issue 43: methods for LoRA adapters on a pretrained model (``fl_lightning.models.LoRAClassifier``); kept out of
+#: ``__all__``, whose every entry the property tests run on the digits networks, which have no adapters
+ADAPTER_METHODS = (FFALoRA, FLoRA, FedDPA, FedIT, FedSALoRA)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fl_lightning.client import Client, Params
+from fl_lightning.client import Client, Params, name_matches
 from fl_lightning.errors import ConfigError
 
 
@@ -98,7 +98,8 @@ class Algorithm(nn.Module):
 
     # -- naming -----------------------------------------------------------------------------------------
     def is_personal(self, name: str) -> bool:
-        return any(name.startswith(p) for p in self.personal)
+        """Under a ``personal`` prefix or glob pattern (``*.lora_B``, ``classifier.*``; ``client.name_matches``)."""
+        return any(name_matches(name, p) for p in self.personal)
 
     #: parameters with ``requires_grad=False`` (e.g. frozen GloVe embeddings); set by the engine through
     #: ``set_frozen``. They never change, so they are neither uploaded nor sent.

@@ -311,7 +311,8 @@ def check_finite(net: nn.Module, backup: Params, trainer: Any, round_idx: int) -
         return
     with torch.no_grad():
         for n, p in net.named_parameters():
-            p.copy_(backup[n])
+            if n in backup:  # frozen parameters that never change are not backed up
+                p.copy_(backup[n])
     path = Path(trainer.default_root_dir) / "checkpoints" / f"last_good_round{round_idx:05d}.ckpt"
     trainer.save_checkpoint(str(path))
     raise TrainingDiverged(

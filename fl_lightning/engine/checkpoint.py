@@ -111,8 +111,28 @@ def journal_directories(module: CheckpointedRun) -> list[Path]:
     return out
 
 
+def _frozen_left_out(module: CheckpointedRun) -> list[str]:
+    """Frozen network parameters a checkpoint leaves out: those of a network that asks for it
+    (``checkpoint_frozen = False``: a pretrained base under LoRA adapters, rebuilt from its source on resume),
+    unless the algorithm changes them (``updates_frozen``, FLoRA's merges)."""
+    if getattr(module.net, "checkpoint_frozen", True) or getattr(module.algorithm, "updates_frozen", False):
+        return []
+    return [n for n, p in module.net.named_parameters() if not p.requires_grad]
+
+
+def _fingerprint(t: Any) -> list[float]:
+    t = t.detach().double()
+    return [float(t.sum()), float(t.abs().sum())]
+
+
 def save_entries(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
     """``FederatedModule.on_save_checkpoint``: the run's ``fl_*`` entries (and a host or disk bank's journal)."""
+    left_out = _frozen_left_out(module)
+    if left_out:  # only a fingerprint of each frozen base tensor, to refuse a resume onto another base
+        params = dict(module.net.named_parameters())
+        checkpoint["fl_frozen"] = {n: _fingerprint(params[n]) for n in left_out}
+        for n in left_out:
+            checkpoint.get("state_dict", {}).pop(f"net.{n}", None)
     bank = module.bank
     if bank is not None and bank.placement != "device":
         checkpoint["fl_client_state"] = bank.save_journal(journal_directories(module)[0])
@@ -129,6 +149,7 @@ def save_entries(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
 def load_entries(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
     """``FederatedModule.on_load_checkpoint``: refuse a checkpoint that does not fit, restore the ``fl_*``
     entries, and warn when the checkpoint was written before a validation that the resumed run will skip."""
+    restore_frozen(module, checkpoint)
     problem = checkpoint_mismatch(module, checkpoint) if module.bank is not None else None
     if problem:
         raise ConfigError(problem)
@@ -163,3 +184,22 @@ def load_bank(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
         tables = {k: state.pop(k) for k in list(state) if k.startswith("bank.")}
         if tables:
             bank.load_full(tables)
+
+
+def restore_frozen(module: CheckpointedRun, checkpoint: dict[str, Any]) -> None:
+    """Put back the frozen base tensors a checkpoint left out (``fl_frozen``), from this process's network, after
+    checking that they are the ones the run was trained on."""
+    frozen = checkpoint.get("fl_frozen")
+    if not frozen:
+        return
+    params, state = dict(module.net.named_parameters()), checkpoint.setdefault("state_dict", {})
+    for n, saved in frozen.items():
+        if n not in params:
+            continue  # checkpoint_mismatch names the missing parameter
+        ours = _fingerprint(params[n])
+        if any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(ours, saved)):
+            raise ConfigError(
+                f"the checkpoint was trained on another base model: frozen {n} differs from this config's; "
+                "fix: resume with the same model.network.model (or config and seed)"
+            )
+        state[f"net.{n}"] = params[n].detach()

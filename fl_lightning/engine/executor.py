@@ -112,6 +112,8 @@ def declares_vectorizable(algorithm: Algorithm) -> bool:
 
 def _blocker(algorithm: Algorithm, net: nn.Module, workload: Workload) -> str | None:
     """Why the stacked path cannot run this workload at all, or None."""
+    if getattr(net, "stacked_blocker", None):  # a network that says it runs one client at a time (LoRAClassifier)
+        return str(net.stacked_blocker)
     if not workload.evaluation and not declares_vectorizable(algorithm):
         return f"{type(algorithm).__name__} is not marked vectorizable"
     if workload.evaluation and has_batchnorm(net):  # training stacks per-client BatchNorm statistics; scoring not

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
+from fl_lightning.client import name_matches
 from fl_lightning.metrics import tensor_bytes
 
 
@@ -38,7 +39,7 @@ class RoundDisclosure:
 
 
 def _under(name: str, prefixes: Iterable[str]) -> bool:
-    return any(name.startswith(p) for p in prefixes)
+    return any(name_matches(name, p) for p in prefixes)
 
 
 class CommunicationLedger:

@@ -190,7 +190,8 @@ class FederatedModule(L.LightningModule):
         self.fed = fed
         glob = self.global_params()
         self.algorithm.check_compatible(self.net, fed.num_classes)
-        self.algorithm.set_frozen([n for n, p in self.net.named_parameters() if not p.requires_grad])
+        frozen = [n for n, p in self.net.named_parameters() if not p.requires_grad]  # + constant buffers (LoRA nets)
+        self.algorithm.set_frozen(frozen + list(getattr(self.net, "constant_buffers", ())))
         check_algorithm_fits(self.algorithm, self.net, glob, self.aggregation)
         if self.bank is None or self.bank.num_clients != fed.num_clients:
             self.algorithm.setup(glob, fed.num_clients)
@@ -311,7 +312,8 @@ class FederatedModule(L.LightningModule):
         """Apply the cohort's mean update; stop with a checkpoint if the model turned non-finite."""
         if sums.stats.survivors == 0:
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
-        backup = {n: p.detach().clone() for n, p in self.net.named_parameters()}
+        keep = getattr(self.algorithm, "updates_frozen", False)  # FLoRA merges into the frozen base; else not copied
+        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep}
         mean = self.aggregator.mean(sums, template)
         facts = RoundFacts(round_idx, num_aggregated=int(sums.stats.survivors))
         aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, facts)

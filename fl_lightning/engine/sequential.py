@@ -65,6 +65,7 @@ class ClientContext:
         self.round, self.seed, self.step_budget = round_idx, seed, step_budget
         self.channels_last = channels_last  # conv speed-up used by the vectorized executor; same values
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
+        self.frozen_names = frozenset(n for n, p in net.named_parameters() if not p.requires_grad)
         #: the mean minibatch loss of the last ``sgd`` phase (a 0-d tensor on the data's device)
         self.train_loss: Tensor | float = 0.0
         #: the minibatch steps the last ``sgd`` phase took (a 0-d tensor)
@@ -162,7 +163,8 @@ class ClientContext:
         dict (buffers such as BatchNorm statistics updated as the forward passes update them); ``params`` is not
         modified. ``train_loss`` and ``steps_taken`` describe the phase.
         """
-        out = {n: t.detach().clone() for n, t in params.items()}
+        # parameters frozen in the network (a pretrained base under LoRA adapters) never change: not copied
+        out = {n: t.detach() if n in self.frozen_names else t.detach().clone() for n, t in params.items()}
         if self.channels_last:
             out = {n: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for n, t in out.items()}
         collect = None if objective is None else objective.collect

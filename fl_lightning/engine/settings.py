@@ -54,9 +54,11 @@ def check_algorithm_fits(algorithm: Algorithm, net: nn.Module, glob: Params, agg
     check_vectorizable(type(algorithm))
     for prefix in algorithm.personal:
         if not select(list(glob), [prefix]):
+            names = [n for n, _ in net.named_parameters()]
+            shown = ", ".join(names[:8]) + (f", … ({len(names)} in all)" if len(names) > 8 else "")
             raise ConfigError(
                 f"personal prefix '{prefix}' of {type(algorithm).__name__} matches no parameter of "
-                f"{type(net).__name__} (parameters: {', '.join(n for n, _ in net.named_parameters())})"
+                f"{type(net).__name__} (parameters: {shown})"
             )
     if algorithm.needs_uniform_aggregation and aggregation != "uniform":
         raise ConfigError(

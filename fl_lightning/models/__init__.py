@@ -29,3 +29,7 @@ __all__ = [
 from fl_lightning.models.regression import ClusteredLinear, LowRankFactors  # noqa: E402
 
 __all__ += ["ClusteredLinear", "LowRankFactors"]
+
+from fl_lightning.models.adapters import LoRAClassifier  # noqa: E402
+
+__all__ += ["LoRAClassifier"]

@@ -206,3 +206,40 @@ def test_a_bank_entry_whose_row_shape_differs_is_a_shape_error() -> None:
     assert checkpoint_mismatch(module, {"state_dict": saved}) == (
         "the checkpoint does not fit this model: bank.head__weight has shape [4, 10, 3] there and [4, 10, 4] here"
     )
+
+
+def test_a_lora_checkpoint_holds_adapters_and_head_only_and_resumes_exactly(tmp_path):
+    """Issue 43: a ``LoRAClassifier`` run's checkpoint leaves the frozen base out (a fingerprint of each tensor
+    instead); resuming rebuilds it from the config and gives the uninterrupted run's numbers; another base is
+    refused."""
+
+    from fl_lightning.algorithms.fedsa_lora import FedSALoRA
+    from fl_lightning.errors import ConfigError
+    from tests.helpers.lora_runs import module, text_data
+    from tests.helpers.tiny_lora import tiny_net
+    from tests.helpers.training import make_trainer
+
+    def run(rounds, ckpt=None, seed=0, save=None):
+        L.seed_everything(0, verbose=False)
+        m = module(FedSALoRA(), tiny_net(seed=seed))
+        trainer = make_trainer(rounds, limit_val_batches=0, default_root_dir=str(tmp_path / "run"))
+        trainer.fit(m, datamodule=text_data(tmp_path / f"d{rounds}{seed}{ckpt is None}"), ckpt_path=ckpt)
+        if save:
+            trainer.save_checkpoint(save)
+        return m
+
+    path = str(tmp_path / "r2.ckpt")
+    first = run(2, save=path)
+    saved = torch.load(path, weights_only=False)
+    base = [n for n, p in first.net.named_parameters() if not p.requires_grad]
+    assert base and not any(f"net.{n}" in saved["state_dict"] for n in base)
+    assert set(saved["fl_frozen"]) == set(base)
+    kept = {k for k in saved["state_dict"] if k.startswith("net.")}
+    assert kept == {f"net.{n}" for n, p in first.net.named_parameters() if p.requires_grad}
+    resumed, straight = run(3, ckpt=path), run(3)
+    for (n, a), (_, b) in zip(resumed.net.named_parameters(), straight.net.named_parameters()):
+        assert torch.equal(a, b), n
+    for n in straight.bank.names:
+        assert torch.equal(resumed.bank.gather(torch.arange(4))[n], straight.bank.gather(torch.arange(4))[n]), n
+    with pytest.raises(ConfigError, match="another base model"):
+        run(3, ckpt=path, seed=1)

@@ -1,0 +1,43 @@
+"""FFA-LoRA (``fl_lightning/algorithms/ffa_lora.py``): A frozen at its initialisation. The client trains B and the
+head only (plain-torch reference), its upload holds no A, and through the engine A never changes."""
+
+from __future__ import annotations
+
+import torch
+
+from fl_lightning.algorithms.ffa_lora import FFALoRA
+from fl_lightning.engine.ledger import CommunicationLedger
+from tests.helpers.lora_refs import assert_close, context, params_of, prepared, reference_sgd
+from tests.helpers.lora_runs import module, text_data
+from tests.helpers.tiny_lora import tiny_net, token_batch
+from tests.helpers.training import fit
+
+
+def test_client_trains_b_and_head_and_uploads_no_a():
+    net = tiny_net()
+    x, y = token_batch(8), torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+    glob = params_of(net)
+    upd = prepared(FFALoRA(local_epochs=2), net).client_update(context(net, x, y), glob, {})
+    want = reference_sgd(net, glob, x, y, lambda n: ".lora_B." in n or n.startswith("head."), 2)
+    assert upd.upload and not any(".lora_A." in n for n in upd.upload)
+    assert {n for n in upd.upload} == {n for n, p in net.named_parameters() if p.requires_grad and ".lora_A." not in n}
+    assert_close(upd.upload, want, upd.upload)
+    moved = [n for n in upd.upload if ".lora_B." in n and not torch.equal(upd.upload[n], glob[n])]
+    assert moved
+
+
+def test_a_never_changes_and_is_never_uploaded_through_the_engine(tmp_path):
+    net = tiny_net()
+    start = params_of(net)
+    uploaded: set[str] = set()
+    observer = lambda ledger, r, c, up: uploaded.update(up)  # noqa: E731
+    CommunicationLedger.global_observers.append(observer)
+    try:
+        run = fit(module(FFALoRA(), net), text_data(tmp_path), rounds=2, limit_val_batches=0)
+    finally:
+        CommunicationLedger.global_observers.remove(observer)
+    now = params_of(run.net)
+    a_names = [n for n in now if ".lora_A." in n]
+    assert a_names and all(torch.equal(now[n], start[n]) for n in a_names)
+    assert uploaded and not any(".lora_A." in n for n in uploaded)
+    assert any(not torch.equal(now[n], start[n]) for n in now if ".lora_B." in n)  # B moved
