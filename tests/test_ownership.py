@@ -12,14 +12,9 @@ PACKAGE = ROOT / "fl_lightning"
 #: (file name, target) writes that remain, each with its reason
 KNOWN_WRITES: dict[tuple[str, str], str] = {
     ("client_data.py", "moved._offsets"): "a ClientSplit that ``ClientSplit.to`` itself built: it owns it",
-    ("executor.py", "module._executor_logged"): "the executor's log-once flag, which issue 40 replaces",
-    ("cohorts.py", "module._run_axis_optimizer_defaults"): "the run axis's cache, which issue 40 moves",
-    ("cohorts.py", "algorithm.get_submodule(owner)._buffers"): "the run axis swapping in stacked buffers (issue 40)",
 }
 #: file name -> engine functions that still take the module untyped, each with its reason
-KNOWN_UNTYPED: dict[str, list[str]] = {
-    "executor.py": ["simulate_faults(module: Any)"],  # issue 40 edits the executor; FederatedRun + two fields then
-}
+KNOWN_UNTYPED: dict[str, list[str]] = {}
 
 
 def private_writes(source: str) -> list[str]:

@@ -284,7 +284,17 @@ def run_clients(
     return updates
 
 
-def simulate_faults(module: Any, round_idx: int, cohort: list[int], mine: list[int]) -> tuple[set[int], set[int]]:
+class FaultyRun(Protocol):
+    """What ``simulate_faults`` reads of a ``FederatedModule``."""
+
+    fed: FederatedData
+    client_dropout: float
+    stragglers: float
+
+
+def simulate_faults(
+    module: FaultyRun, round_idx: int, cohort: list[int], mine: list[int]
+) -> tuple[set[int], set[int]]:
     """(failed, slow): the positions in ``mine`` whose client fails / straggles this round (seeded coins)."""
 
     def coin(tag: str, j: int) -> float:

@@ -646,3 +646,42 @@ def resolve_path(value: str, base: Path | None, error: Any) -> str:
             if (folder / path).is_file():
                 return str(folder / path)
     raise error()
+
+
+@dataclass
+class Outcome:
+    """What became of one run of the grid (``runner.execute``)."""
+
+    run: RunSpec
+    status: str  # done, skipped, failed, interrupted
+    error: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Choice:
+    """The tuning outcome of one combination of the non-seed axes: the chosen point (``None``: no winner, a
+    tuning run is missing), its overrides, every point's mean and the number of trials."""
+
+    key: tuple[str, ...]
+    axes: dict[str, str]
+    metric: str
+    point: str | None
+    overrides: list[str]
+    means: dict[str, float]
+    trials: int
+    seeds: list[int]
+    missing: list[str] = field(default_factory=list)
+    #: the numeric axes on which the winner is left at an edge, each with what stopped the extension
+    edges: list[str] = field(default_factory=list)
+    #: the tuning points whose runs failed during the grid extension (tried and lost)
+    lost: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """The chosen point as the table shows it: flagged when it sits on a grid edge."""
+        return "-" if self.point is None else self.point + "".join(f" [edge: {e}]" for e in self.edges)
+
+    def record(self) -> dict[str, Any]:
+        names = ("axes", "metric", "point", "overrides", "means", "trials", "seeds", "missing", "edges", "lost")
+        return {("chosen" if n == "point" else "tuning_seeds" if n == "seeds" else n): getattr(self, n) for n in names}

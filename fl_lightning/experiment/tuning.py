@@ -26,12 +26,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-from fl_lightning.experiment.spec import AxisValue, Experiment, RunSpec, Tune, TuneRun, arg_value
-
-if TYPE_CHECKING:
-    from fl_lightning.experiment.runner import Choice, Outcome
+from fl_lightning.experiment.spec import AxisValue, Choice, Experiment, Outcome, RunSpec, Tune, TuneRun, arg_value
 
 
 @dataclass(frozen=True)

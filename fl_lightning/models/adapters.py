@@ -18,6 +18,7 @@ per-instance adapter weights (FedDPA's instance-wise combination, ``adapter_weig
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import zipfile
@@ -167,20 +168,18 @@ class PooledLoRAEncoder(nn.Module):
         for n, p in self.lm.named_parameters():  # only the adapters train; the base stays frozen
             p.requires_grad_(".lora_" in n)
         self._weights: dict[str, Tensor | float] = {}
-        for _, module in self._lora_b_modules():
-            module.register_forward_hook(self._weigh)
+        for name, module in self._lora_b_modules():
+            module.register_forward_hook(functools.partial(self._weigh, name))
 
     def _lora_b_modules(self) -> Iterator[tuple[str, nn.Module]]:
         from peft.tuners.lora import LoraLayer
 
         for module in self.lm.modules():
             if isinstance(module, LoraLayer):
-                for name, b in module.lora_B.items():
-                    b._fl_adapter = name
-                    yield name, b
+                yield from module.lora_B.items()
 
-    def _weigh(self, module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
-        w = self._weights.get(module._fl_adapter)
+    def _weigh(self, adapter: str, module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+        w = self._weights.get(adapter)
         if w is None:
             return None
         if isinstance(w, Tensor):

@@ -171,12 +171,12 @@ def each_runs_server_state(requests: Sequence[CohortRequest], slices: Sequence[t
             per_run = [req.module.algorithm.get_buffer(n) for req in requests]
             stacked = torch.cat([b.expand(hi - lo, *b.shape) for b, (lo, hi) in zip(per_run, slices)])
             owner, _, leaf = n.rpartition(".")
-            algorithm.get_submodule(owner)._buffers[leaf] = stacked
+            setattr(algorithm.get_submodule(owner), leaf, stacked)  # nn.Module puts a tensor under a buffer's name
         yield
     finally:
         for n, b in saved.items():
             owner, _, leaf = n.rpartition(".")
-            algorithm.get_submodule(owner)._buffers[leaf] = b
+            setattr(algorithm.get_submodule(owner), leaf, b)
 
 
 def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
