@@ -4,7 +4,8 @@ A generated block of ``README.md`` sits between ``<!-- generated: NAME -->`` and
 rendered from a file that a command wrote and that is kept under ``docs/measured/``:
 
 * ``quickstart``: the result table that ``make train`` prints, from its ``runs/quickstart/summary.json``
-  (copied to ``docs/measured/quickstart_summary.json``), rendered by ``fl_lightning.cli.format_table`` as train.py does;
+  (copied to ``docs/measured/quickstart_summary.json``), rendered by ``fl_lightning.results.summary_table`` as
+  train.py does;
 * ``dp``: the accuracy-against-ε table of ``python -m experiments dp``, from its ``results/dp/results.json`` (copied
   to ``docs/measured/dp_results.json``): mean ± population std over seeds, in %, per σ, as the command prints it.
 
@@ -43,9 +44,10 @@ DP_COLUMNS = {
 
 def quickstart(summary: dict[str, Any]) -> str:
     """``make train``'s result table and its last line, as printed (``fl_lightning.cli._fit``)."""
-    from fl_lightning.cli import format_table
+    from fl_lightning.results import summary_table
 
-    table = "\n".join(line.rstrip() for line in format_table([summary]).splitlines())  # less the cells' padding
+    printed = {k: v for k, v in summary.items() if k != "ran"}  # train.py prints the table before adding what ran
+    table = "\n".join(line.rstrip() for line in summary_table([printed]).splitlines())  # less the cells' padding
     return "```\n" + table + "\nrun: runs/quickstart\n```\n"
 
 

@@ -511,8 +511,8 @@ def parse_experiment(
                 report[k] = [report[k]]
             if not isinstance(report[k], list) or not all(isinstance(v, str) for v in report[k]):
                 raise fail(f"report.{k}", "expected a list of names")
-    for name in report.get("metrics", []):
-        problem = figure_problem(name)
+    for figure in report.get("metrics", []):
+        problem = figure_problem(figure)
         if problem:
             raise fail("report.metrics", problem)
     curve = report.get("curve")

@@ -127,8 +127,8 @@ def test_fedproto_global_prototypes_weigh_every_holding_client_equally_by_defaul
             opt = ClientOptimizer(lr=0.1, momentum=0.0, batch_size=16)
             ctx = ClientContext(net, 0, x, y, None, opt, F.cross_entropy, make_generator(0, "agg"))
             uploads.append(alg.client_update(ctx, params_of(net), alg.init_client_state(params_of(net))).upload)
-        alg.num_aggregated = len(uploads)
-        alg.server_update(params_of(net), {k: sum(u[k] for u in uploads) / len(uploads) for k in uploads[0]}, 0)
+        averaged = {k: sum(u[k] for u in uploads) / len(uploads) for k in uploads[0]}
+        alg.server_update(params_of(net), averaged, RoundFacts(0, num_aggregated=len(uploads)))
         assert sorted(j for j in range(CLASSES) if alg.known[j]) == sorted(expected)
         for j, proto in expected.items():
             assert_close_finite(alg.global_prototypes[j], proto)

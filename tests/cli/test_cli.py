@@ -296,7 +296,9 @@ def test_wandb_gets_histograms_the_client_table_and_the_summary(tmp_path, monkey
     capsys.readouterr()
     (run,) = offline_runs(tmp_path, wait_s=60)
     summary = json.loads((tmp_path / "summary.json").read_text())
+    ran = summary.pop("ran")  # what ran goes to the run's config, beside the settings that asked for it
     assert {k[len("summary/"):]: v for k, v in run.summary.items() if k.startswith("summary/")} == summary
+    assert run.config["ran"] == ran and ran["executor"] == "stacked" and ran["batch"] is None
     steps = [row["trainer/global_step"] for row in run.history if "val/acc_clients/values" in row]
     assert len(steps) == 3  # evaluations 2 and 4, and the last round
     histogram = next(row for row in run.history if "val/acc_clients/values" in row)

@@ -928,9 +928,10 @@ def test_a_batched_run_hands_the_round_to_its_run_axis() -> None:
     glob, states, budgets = _glob(module), [_bank_row(module, 1), _bank_row(module, 3)], [1.0, 0.5]
     clients = [1, 3]
     assert module.run_clients(clients, 4, glob, states, budgets) is axis.result
-    assert axis.args is not None and len(axis.args) == 6
+    assert axis.args is not None and len(axis.args) == 7
     assert axis.args[0] is module and axis.args[1] is clients and axis.args[2] == 4
     assert axis.args[3] is glob and axis.args[4] is states and axis.args[5] is budgets
+    assert axis.args[6].path == "sequential"  # the path the run takes alone, decided before it hands them in
     assert module.algorithm.calls == []
 
 

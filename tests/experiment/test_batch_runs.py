@@ -243,3 +243,10 @@ def test_every_train_log_says_its_path_and_warnings_batched_or_alone(tmp_path, c
         assert text.count("a client's last minibatch of 1 sample is skipped") == 1, log
         assert "Logging error" not in text and "I/O operation on closed file" not in text, log
         assert ("run axis: " in text) == (batch_runs is None), log
+
+
+def test_report_metrics_leave_the_experiment_its_name():
+    """A ``report.metrics`` list is checked name by name without renaming the experiment (after a merge, the last
+    metric checked became the experiment's name and its run dirs' folder)."""
+    data = {**grid("kept"), "report": {"metrics": ["last10", "final_worst10"]}}
+    assert parse_experiment(data, source="exp.yaml").name == "kept"
