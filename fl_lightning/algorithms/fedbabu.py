@@ -6,11 +6,13 @@ the body for ``local_epochs`` epochs of local SGD through that fixed head, and t
 the initial model, so it is not counted in the per-round download either).
 
 Personalisation happens at evaluation: each client fine-tunes the global model on its own training data and is
-evaluated once with the result. That is the engine's ``model.finetune`` option ("+FT"). The FedBABU configs set
-it to the authors' code: the WHOLE model (``prefixes: [""]``), τ_f = 5 epochs, at the run's learning rate and
-momentum. The authors' fine-tuning is in ``analysis.ipynb`` of github.com/jhoon-oh/FedBABU (``personalization_epoch
-= 5``; one SGD optimizer over ``body_params`` and ``head_params``, both at ``args.lr``; the batch size
-``local_bs``), with lr 1e-3 and momentum 0.9, which is the last learning rate of their training schedule
+evaluated once with the result. That is the engine's ``model.finetune`` option ("+FT"), whose default is the
+WHOLE model (``prefixes: [""]``); the FedBABU configs state it and the authors' τ_f = 5 epochs, at the run's learning
+rate and momentum. The authors' fine-tuning is in ``analysis.ipynb`` of github.com/jhoon-oh/FedBABU
+(``personalization_epoch = 5``, and ``utils/options.py``'s ``--ft_ep`` defaults to 5; one SGD optimizer over
+``body_params`` and ``head_params``, both at ``args.lr``; the batch size ``local_bs``; PFLlib's ``clientBABU`` also
+tunes body and head, for its own default of 10 epochs), with lr 1e-3 and momentum 0.9, which is the last learning
+rate of their training schedule
 (``scripts/run_fedbabu.sh``: lr 0.1, decayed ×0.1 at 1/2 and 3/4 of the rounds in ``main_fed.py``); our runs
 have no schedule, so "the last learning rate" is the run's ``model.lr``. The paper's abstract says "the head is
 fine-tuned"; its experiments fine-tune the whole network (as the notebook does). The head-only variant stays

@@ -77,11 +77,21 @@ Module = EvaluatedRun
 
 @dataclass
 class FineTune:
-    """ "+FT" (spec 000 §2.4): after training, each client fine-tunes ``prefixes`` for ``epochs`` epochs
-    on its training data, and is evaluated once with the result."""
+    """ "+FT" (spec 000 §2.4): after training, each client fine-tunes the parameters under ``prefixes`` for
+    ``epochs`` epochs of local SGD on its training data, and is evaluated once with the result.
+
+    The default is the whole model (``prefixes=("",)``), as FedBABU's authors (``analysis.ipynb`` of
+    github.com/jhoon-oh/FedBABU: one SGD over ``body_params`` and ``head_params``) and PFLlib (``clientBABU.fine_tune``
+    over ``base`` and ``head``) fine-tune. The head only is :meth:`head_only` (``prefixes: [head.]`` in a config):
+    FedRep's "+FT" rows and its new-client protocol."""
 
     epochs: int = 10
-    prefixes: tuple[str, ...] = ("head.",)
+    prefixes: tuple[str, ...] = ("",)
+
+    @classmethod
+    def head_only(cls, epochs: int = 10) -> FineTune:
+        """Fine-tune the head (``head.``) only, the body frozen."""
+        return cls(epochs, ("head.",))
 
 
 @dataclass

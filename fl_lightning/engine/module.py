@@ -76,7 +76,8 @@ class FederatedModule(L.LightningModule):
         stragglers, straggler_budget: probability that a sampled client is a straggler, which stops after
             ``straggler_budget`` of its local SGD steps and reports what it has.
         new_client_finetune: how held-out clients (``datamodule.new_clients``) adapt before they are evaluated
-            at the end of training (default: 10 head epochs).
+            at the end of training (default: 10 epochs of the head only, ``FineTune.head_only``: FedRep's new-client
+            protocol, a fresh head on the learned representation; ``FineTune``'s own default is the whole model).
         executor: ``auto`` (default: the stacked path where it runs and wins, else the loop; logged once),
             ``sequential`` (the reference loop) or ``vectorized`` (``fl_lightning.engine.stacked``: all sampled
             clients at once, frozen-body features computed once, same results); ``executor.choose_path`` decides.
@@ -146,7 +147,7 @@ class FederatedModule(L.LightningModule):
                                           *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
         self.executor = executor
-        self.new_client_finetune = new_client_finetune or FineTune(epochs=10, prefixes=("head.",))
+        self.new_client_finetune = new_client_finetune or FineTune.head_only(epochs=10)  # FedRep Fig. 6
         self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network

@@ -112,15 +112,20 @@ def test_monitoring_a_val_key_that_is_never_logged_is_refused(monitor: str) -> N
 
 
 @pytest.mark.parametrize("executor", ["sequential", "vectorized"])
-def test_finetune_moves_only_the_head_for_the_configured_epochs(executor):
+@pytest.mark.parametrize("part", ["default", "head_only"])
+def test_finetune_trains_the_configured_part_for_the_configured_epochs(executor, part):
     """ "+FT" against a plain-torch loop: each client copies the global model, runs 3 full-batch momentum-SGD
-    epochs on the head only, and is scored on its test split; the global model is left as it was."""
+    epochs on the whole model (``FineTune``'s default, as FedBABU's authors and PFLlib fine-tune) or on the head
+    only (``FineTune.head_only``), and is scored on its test split; the global model is left as it was."""
     dm = DigitsDataModule(num_clients=10, partition=Shards(2), participation=0.3, seed=0)
     torch.manual_seed(0)
     lr, epochs = 0.05, 3
+    finetune = FineTune(epochs=epochs) if part == "default" else FineTune.head_only(epochs)
+    trainable, other = (("",), ("head.",)) if part == "default" else (("head.",), ("",))
+    assert finetune.prefixes == trainable
     module = FederatedModule(
         FedProx(mu=0.1), DigitsMLP(hidden=(16,)), lr=lr, batch_size=10_000, eval_every=100, eval_last=1,
-        finetune=FineTune(epochs=epochs), executor=executor,
+        finetune=finetune, executor=executor,
     )  # fmt: skip
     make_trainer(2).fit(module, datamodule=dm)
     trained = {n: p.detach().clone() for n, p in module.net.named_parameters()}
@@ -129,11 +134,11 @@ def test_finetune_moves_only_the_head_for_the_configured_epochs(executor):
     assert module.summary["algorithm"] == "FedProx+FT"
     assert module.summary["final_ft"] == pytest.approx(float(result["acc_mean"]), abs=1e-12)  # "+FT" (issue 31)
 
-    def reference(client, head_epochs, trainable=("head.",)):
+    def reference(client, ft_epochs, prefixes):
         net = copy.deepcopy(module.net)
-        opt = torch.optim.SGD([p for n, p in net.named_parameters() if n.startswith(trainable)], lr=lr, momentum=MOM)
+        opt = torch.optim.SGD([p for n, p in net.named_parameters() if n.startswith(prefixes)], lr=lr, momentum=MOM)
         x, y = dm.federated.train.client(client)
-        for _ in range(head_epochs):
+        for _ in range(ft_epochs):
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
             opt.step()
@@ -143,12 +148,28 @@ def test_finetune_moves_only_the_head_for_the_configured_epochs(executor):
         return F.cross_entropy(out, yt).item(), (out.argmax(-1) == yt).double().mean().item()
 
     for c in range(10):
-        loss, acc = reference(c, epochs)
+        loss, acc = reference(c, epochs, trainable)
         assert float(result["loss_per_client"][c]) == pytest.approx(loss, rel=1e-4)
         assert float(result["acc_per_client"][c]) == pytest.approx(acc, abs=1e-9)
-    # the checks can fail: one epoch fewer, or a body that moves too, gives another loss
-    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs - 1)[0], rel=1e-3)
-    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs, ("",))[0], rel=1e-3)
+    # the checks can fail: one epoch fewer, or the other part (a body that moves too, or a frozen body), gives
+    # another loss
+    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs - 1, trainable)[0], rel=1e-3)
+    assert float(result["loss_per_client"][0]) != pytest.approx(reference(0, epochs, other)[0], rel=1e-3)
+
+
+def test_finetune_default_is_the_whole_model_in_a_config():
+    """``model.finetune: {epochs: 2}`` (no ``prefixes``) parses to whole-model fine-tuning; ``prefixes: [head.]``
+    keeps the head only."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--finetune", type=FineTune | None, default=None)
+
+    def parsed(value: str) -> FineTune:
+        return parser.instantiate_classes(parser.parse_args(["--finetune", value])).finetune
+
+    assert parsed('{"epochs": 2}') == FineTune(2, ("",))
+    assert parsed('{"epochs": 2, "prefixes": ["head."]}') == FineTune.head_only(2) == FineTune(2, ("head.",))
 
 
 # ---- held-out new clients ---------------------------------------------------------------------------------------
@@ -811,7 +832,7 @@ def test_row_groups_pad_at_most_cap_rows_and_leave_out_empty_clients() -> None:
     assert all(len(g) * max(sizes[k] for k in g) <= 16 for g in groups)
 
 
-@pytest.mark.parametrize("finetune", [None, FineTune(epochs=1)], ids=["scores", "ft"])
+@pytest.mark.parametrize("finetune", [None, FineTune.head_only(1)], ids=["scores", "ft"])
 def test_shared_body_heads_scored_in_groups_equal_each_clients_head_by_hand(
     monkeypatch: pytest.MonkeyPatch, finetune: FineTune | None
 ) -> None:

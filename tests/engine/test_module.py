@@ -355,7 +355,8 @@ def test_hyperparameters_leave_out_objects_and_optimizer_factories() -> None:
 def test_new_client_finetune_default_and_given() -> None:
     default = make_module().new_client_finetune
     assert isinstance(default, FineTune)
-    assert (default.epochs, default.prefixes) == (10, ("head.",))
+    assert (default.epochs, default.prefixes) == (10, ("head.",))  # FedRep's new clients: a head on the body
+    assert FineTune().prefixes != default.prefixes  # "+FT"'s own default is the whole model (issue 40)
     given = FineTune(epochs=3, prefixes=("body.",))
     assert make_module(new_client_finetune=given).new_client_finetune is given
 
