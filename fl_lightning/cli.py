@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -311,6 +312,8 @@ def quiet_third_party() -> None:
         r"Checkpoint directory .* exists and is not empty",
         r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
         r".*weights_only",
+        r"`broadcast_buffers` is deprecated",  # DDP: kept on purpose (as the warning says, for rank-local buffers)
+        r"torch.distributed.nn.functional.all_gather is deprecated",  # inside Lightning's all_gather
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
@@ -566,7 +569,8 @@ class _DropNoise:
     )
 
     def filter(self, record: Any) -> bool:
-        return not str(record.getMessage()).startswith(self.NOISE)
+        message = re.sub(r"^\[rank: \d+\] ", "", str(record.getMessage()))  # a DDP worker's lines carry its rank
+        return not message.startswith(self.NOISE)
 
 
 def quiet_console() -> None:
