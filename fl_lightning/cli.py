@@ -239,9 +239,8 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             kwargs["default_root_dir"] = str(run_dir)
             callbacks = list(trainer_cfg.get("callbacks") or [])
             user_last = any(isinstance(c, ModelCheckpoint) and c.save_last for c in callbacks)
-            if trial:  # fast_dev_run writes nothing: no round checkpoints either
-                kwargs["enable_checkpointing"] = False
-            elif trainer_cfg.get("enable_checkpointing", True) is not False and not any(
+            # fast_dev_run writes nothing: no round checkpoints (Lightning's own checkpoints skip saving in it)
+            if not trial and trainer_cfg.get("enable_checkpointing", True) is not False and not any(
                 isinstance(c, RoundCheckpoint) for c in callbacks
             ):
                 callbacks.append(
