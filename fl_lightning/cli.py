@@ -676,9 +676,12 @@ def preflight(cli: Any) -> None:
     is written: the algorithm against the network and the data, DP's refusals (``model.privacy`` needs uniform
     aggregation, parameters only, …) and its ``target_epsilon`` calibration for the planned rounds."""
     module, datamodule = cli.model, cli.datamodule
+    fresh = module.bank is None  # (a checkpoint's check may have built it already)
     module.attach_data(datamodule.federated)  # idempotent: fit's setup binds the same data again
     if module.privacy is not None:
         module.privacy.setup(cli.trainer, datamodule)
+    if fresh:  # built again at setup, where the trainer places it (client_state: disk lives in the run dir)
+        module.bank = None
 
 
 def start_run(cli: Any, resume: bool) -> None:
