@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -240,9 +241,8 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             kwargs["default_root_dir"] = str(run_dir)
             callbacks = list(trainer_cfg.get("callbacks") or [])
             user_last = any(isinstance(c, ModelCheckpoint) and c.save_last for c in callbacks)
-            if trial:  # fast_dev_run writes nothing: no round checkpoints either
-                kwargs["enable_checkpointing"] = False
-            elif trainer_cfg.get("enable_checkpointing", True) is not False and not any(
+            # fast_dev_run writes nothing: no round checkpoints (Lightning's own checkpoints skip saving in it)
+            if not trial and trainer_cfg.get("enable_checkpointing", True) is not False and not any(
                 isinstance(c, RoundCheckpoint) for c in callbacks
             ):
                 callbacks.append(
@@ -313,6 +313,8 @@ def quiet_third_party() -> None:
         r"Checkpoint directory .* exists and is not empty",
         r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
         r".*weights_only",
+        r"`broadcast_buffers` is deprecated",  # DDP: kept on purpose (as the warning says, for rank-local buffers)
+        r"torch.distributed.nn.functional.all_gather is deprecated",  # inside Lightning's all_gather
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
@@ -521,7 +523,8 @@ class _DropNoise:
     )
 
     def filter(self, record: Any) -> bool:
-        return not str(record.getMessage()).startswith(self.NOISE)
+        message = re.sub(r"^\[rank: \d+\] ", "", str(record.getMessage()))  # a DDP worker's lines carry its rank
+        return not message.startswith(self.NOISE)
 
 
 class CurrentStderr(logging.StreamHandler):
@@ -644,9 +647,12 @@ def preflight(cli: Any) -> None:
     is written: the algorithm against the network and the data, DP's refusals (``model.privacy`` needs uniform
     aggregation, parameters only, …) and its ``target_epsilon`` calibration for the planned rounds."""
     module, datamodule = cli.model, cli.datamodule
+    fresh = module.bank is None  # (a checkpoint's check may have built it already)
     module.attach_data(datamodule.federated)  # idempotent: fit's setup binds the same data again
     if module.privacy is not None:
         module.privacy.setup(cli.trainer, datamodule)
+    if fresh:  # built again at setup, where the trainer places it (client_state: disk lives in the run dir)
+        module.bank = None
 
 
 def start_run(cli: Any, resume: bool) -> None:

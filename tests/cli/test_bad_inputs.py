@@ -495,7 +495,8 @@ def test_a_refusal_leaves_every_file_tree_byte_identical(case, finished, tmp_pat
     assert (tree(tmp_path), tree(finished.parent)) == before
 
 
-def test_fast_dev_run_writes_nothing_and_a_real_run_follows_in_its_dir(tmp_path, capsys, monkeypatch):
+def test_fast_dev_run_writes_nothing_and_a_real_run_follows_in_its_dir(tmp_path, tmp_path_factory, capsys,
+                                                                       monkeypatch):
     """``--trainer.fast_dev_run true`` prints "nothing written" and writes nothing (no ``checkpoints/last.ckpt`` that
     the next real run would be refused over, no W&B run); the real run then starts from round 0 in that dir."""
     monkeypatch.chdir(tmp_path)
@@ -504,6 +505,10 @@ def test_fast_dev_run_writes_nothing_and_a_real_run_follows_in_its_dir(tmp_path,
     assert train(tmp_path / "run", "--trainer.fast_dev_run", "true") == 0
     assert "fast_dev_run: nothing written" in capsys.readouterr().out
     assert tree(tmp_path) == {}
+    callback = "{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {monitor: val/acc_mean}}"
+    best = yaml_file(tmp_path_factory.mktemp("config"), f"trainer:\n  callbacks:\n    - {callback}\n", "best.yaml")
+    assert train(tmp_path / "run", "--config", best, "--trainer.fast_dev_run", "true") == 0  # the user's own too
+    assert "fast_dev_run: nothing written" in capsys.readouterr().out and tree(tmp_path) == {}
     assert train(tmp_path / "run", "--wandb.mode", "disabled") == 0
     history = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [h["round"] for h in history] == [0, 1] and (tmp_path / "run" / "config.yaml").is_file()
