@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                         record("adapters", METHODS[method], "upload_bytes_per_round", per_round[-1], seed)]  # fmt: skip
         if accs:
             acc = f"{100 * statistics.fmean(accs):.1f} ± {100 * statistics.pstdev(accs):.1f}"
-            rows.append([METHODS[method], acc, f"{statistics.fmean(per_round):,.0f}", f"{statistics.fmean(seconds):.0f}",
-                         len(accs)])  # fmt: skip
+            up, secs = f"{statistics.fmean(per_round):,.0f}", f"{statistics.fmean(seconds):.0f}"
+            rows.append([METHODS[method], acc, up, secs, len(accs)])
     print()
     print(f"mean client test accuracy (%, mean ± std over seeds) after {args.rounds} rounds; bytes the {CLIENTS} "
           "clients upload per round (ledger); training seconds per run (wall_s) on this machine")  # fmt: skip
