@@ -36,6 +36,8 @@ METHODS = {
     "fedper": "FedPer",
     "fedrep": "FedRep",
     "ditto": "Ditto",
+    "lg_fedavg": "LG-FedAvg",
+    "apfl": "APFL",
 }
 POSITIVE = ["lovely", "wonderful", "great", "delightful", "charming", "excellent", "beautiful", "pleasant"]
 NEGATIVE = ["awful", "terrible", "horrible", "dreadful", "nasty", "miserable", "ugly", "unpleasant"]
