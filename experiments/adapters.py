@@ -36,6 +36,8 @@ METHODS = {
     "fedper": "FedPer",
     "fedrep": "FedRep",
     "ditto": "Ditto",
+    "lg_fedavg": "LG-FedAvg",
+    "apfl": "APFL",
 }
 POSITIVE = ["lovely", "wonderful", "great", "delightful", "charming", "excellent", "beautiful", "pleasant"]
 NEGATIVE = ["awful", "terrible", "horrible", "dreadful", "nasty", "miserable", "ugly", "unpleasant"]
@@ -82,12 +84,14 @@ def write_data(root: Path, seed: int = 0) -> Path:
     return root
 
 
-def run_one(method: str, seed: int, rounds: int, data: Path, runs_dir: Path) -> dict:
+def run_one(method: str, seed: int, rounds: int, data: Path, runs_dir: Path, train: bool = True) -> dict | None:
     from fl_lightning.cli import train_config
 
     run_dir = runs_dir / f"{method}_seed{seed}_r{rounds}"
     if (run_dir / "summary.json").is_file():  # a finished run of an earlier invocation is reused
         return json.loads((run_dir / "summary.json").read_text())
+    if not train:
+        return None
     configs = [ROOT / "configs/adapters/base.yaml", ROOT / f"configs/adapters/{method}.yaml"]
     overrides = [f"--seed_everything={seed}", f"--trainer.max_steps={rounds}", f"--trainer.val_check_interval={rounds}",
                  f"--data.init_args.path={data}"]  # fmt: skip
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=Path("results/adapters"))
     parser.add_argument("--write-data-only", action="store_true", help="write the data folder and stop")
+    what = "train nothing: the table of the runs already finished under --out, the others listed"
+    parser.add_argument("--finished-only", action="store_true", help=what)
     args = parser.parse_args(argv)
 
     data = args.out / "data"
@@ -110,23 +116,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_data_only:
         return 0
     start = time.perf_counter()
-    records, rows = [], []
+    records, rows, missing = [], [], []
     for method in args.methods:
         accs, per_round, seconds = [], [], []
         for seed in range(args.seeds):
-            t0 = time.perf_counter()
-            summary = run_one(method, seed, args.rounds, data, args.out / "runs")
-            seconds.append(time.perf_counter() - t0)
+            summary = run_one(method, seed, args.rounds, data, args.out / "runs", train=not args.finished_only)
+            if summary is None:
+                missing.append(f"{method} seed {seed}")
+                continue
+            seconds.append(float(summary["wall_s"]))
             accs.append(float(summary["final"]))
             per_round.append(float(summary["upload_bytes"]) / args.rounds)
             records += [record("adapters", METHODS[method], "acc", accs[-1], seed),
                         record("adapters", METHODS[method], "upload_bytes_per_round", per_round[-1], seed)]  # fmt: skip
-        rows.append([METHODS[method], f"{100 * statistics.fmean(accs):.1f} ± {100 * statistics.pstdev(accs):.1f}",
-                     f"{statistics.fmean(per_round):,.0f}", f"{statistics.fmean(seconds):.0f}"])  # fmt: skip
+        if accs:
+            acc = f"{100 * statistics.fmean(accs):.1f} ± {100 * statistics.pstdev(accs):.1f}"
+            up, secs = f"{statistics.fmean(per_round):,.0f}", f"{statistics.fmean(seconds):.0f}"
+            rows.append([METHODS[method], acc, up, secs, len(accs)])
     print()
-    print(f"mean client test accuracy (%, mean ± std over {args.seeds} seeds) after {args.rounds} rounds; bytes the "
-          f"{CLIENTS} clients upload per round (ledger); seconds per run on this machine")  # fmt: skip
-    print(format_table(["method", "accuracy", "upload B/round", "s/run"], rows))
+    print(f"mean client test accuracy (%, mean ± std over seeds) after {args.rounds} rounds; bytes the {CLIENTS} "
+          "clients upload per round (ledger); training seconds per run (wall_s) on this machine")  # fmt: skip
+    print(format_table(["method", "accuracy", "upload B/round", "train s/run", "seeds"], rows))
+    if missing:
+        print(f"not finished (--finished-only): {', '.join(missing)}")
     print(f"total wall time: {time.perf_counter() - start:.1f} s")
     print(f"results: {write_results(records, args.out)}")
     return 0
