@@ -104,11 +104,25 @@ def ordering(rows: list[dict]) -> list[str]:
     return lines
 
 
+def training_args(run_args: list[str]) -> list[str]:
+    """A run's ``train.py`` arguments without its run dir (flag and value) and its W&B settings."""
+    args, skip = [], False
+    for a in run_args:
+        if skip or a.startswith("--wandb"):
+            skip = False
+            continue
+        if a == "--run_dir":
+            skip = True
+            continue
+        args.append(a)
+    return args
+
+
 def cpu_seconds(run_args: list[str]) -> float:
     """User + system CPU seconds of ``train.py run_args`` in a child process (its own run dir, no W&B)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as tmp:
-        args = [a for a in run_args if not a.startswith(("--run_dir", "--wandb"))]
+        args = training_args(run_args)
         env = {**os.environ, "WANDB_MODE": "disabled"}
         cmd = [sys.executable, str(ROOT / "train.py"), *args, "--run_dir", tmp, "--overwrite", "true"]
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

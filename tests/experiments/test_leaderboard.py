@@ -100,3 +100,13 @@ def test_group_shift_permutes_each_groups_labels_and_keeps_group_zero():
             _, y = split.client(c)
             _, y0 = before.client(c)
             assert torch.equal(y, perms[groups[c]][y0])
+
+
+def test_the_timing_run_gets_the_runs_training_arguments_only(tmp_path):
+    """The CPU-seconds run trains what the leaderboard's run trained, in its own dir and without W&B."""
+    from fl_lightning.experiment.spec import load_experiment
+
+    run = next(r for r in load_experiment(tiny(tmp_path)).runs() if r.seed == 0)
+    args = leaderboard.training_args(run.args())
+    assert args == [*(a for c in run.configs for a in ("--config", c)), *run.overrides]
+    assert "--run_dir" not in args and str(run.run_dir) not in args and not any("wandb" in a for a in args)
