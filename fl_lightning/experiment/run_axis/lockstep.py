@@ -67,26 +67,27 @@ class Lockstep:
     def describe(self, module: Any) -> dict[str, Any]:
         """The job this run shared, for its ``summary.json`` and W&B config (``ran.batch``)."""
         member = self.members.get(id(module))
-        together = [m.name for m in self.members.values() if member and m.key == member.key and m.stacked_with_others]
-        return {
-            "runs": list(self.names),
-            "stacked_with": [n for n in together if member is None or n != member.name]
-            if member and member.stacked_with_others else [],
-        }  # fmt: skip
+        stacked_with = []
+        if member is not None and member.stacked_with_others:
+            stacked_with = [m.name for m in self.members.values()
+                            if m is not member and m.key == member.key and m.stacked_with_others]  # fmt: skip
+        return {"runs": list(self.names), "stacked_with": stacked_with}
 
     def _request_key(self, module: FederatedModule, decision: Decision) -> str | None:
         """The key under which the run's clients train with the other runs', or None where they train alone (the
-        run alone takes the loop, or its algorithm's server state cannot be shared); said once in its log."""
+        run alone takes the loop, or its algorithm's server state cannot be shared): settled at the run's first
+        round (its path is decided once, ``executor.decide``) and said then in its log."""
         member = self.members.get(id(module))
-        key = member.key if member is not None and decision.stacked and shares_calls(module) else None
-        if member is not None and member.stacked_with_others is None:
-            member.stacked_with_others = key is not None
+        if member is None:
+            return None
+        if member.stacked_with_others is None:
+            member.stacked_with_others = decision.stacked and shares_calls(module)
             others = len(self.names) - 1
-            how = ("in one stacked call with the job's runs of the same config" if key is not None else
+            how = ("in one stacked call with the job's runs of the same config" if member.stacked_with_others else
                    f"on their own ({decision.path}), in the job's lockstep")  # fmt: skip
             log.info("run axis: %s is one of a batched job of %d runs (with %d other%s); its clients train %s",
                      member.name, len(self.names), others, "" if others == 1 else "s", how)  # fmt: skip
-        return key
+        return member.key if member.stacked_with_others else None
 
     # ---- each run's console output to its own log -------------------------------------------------------------
     def activate(self) -> None:
