@@ -28,15 +28,11 @@ def test_client_update_trains_jointly_and_uploads_a_only():
     assert_close({**upd.upload, **upd.state}, want, [*upd.upload, *upd.state])
 
 
-def test_b_and_the_head_never_leave_a_client(tmp_path):
+def test_b_and_the_head_never_leave_a_client(tmp_path, monkeypatch):
     net = tiny_net()
     uploaded: set[str] = set()
-    observer = lambda ledger, r, c, up: uploaded.update(up)  # noqa: E731
-    CommunicationLedger.global_observers.append(observer)
-    try:
-        run = fit(module(FedSALoRA(), net), text_data(tmp_path), rounds=2, limit_val_batches=0)
-    finally:
-        CommunicationLedger.global_observers.remove(observer)
+    monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda ledger, r, c, up: uploaded.update(up)])
+    run = fit(module(FedSALoRA(), net), text_data(tmp_path), rounds=2, limit_val_batches=0)
     assert uploaded == {n for n, p in net.named_parameters() if ".lora_A." in n}
     assert all(run.ledger.is_private(n) for n, _ in net.named_parameters() if ".lora_B." in n or "head." in n)
     bank = run.bank

@@ -26,16 +26,12 @@ def test_client_trains_b_and_head_and_uploads_no_a():
     assert moved
 
 
-def test_a_never_changes_and_is_never_uploaded_through_the_engine(tmp_path):
+def test_a_never_changes_and_is_never_uploaded_through_the_engine(tmp_path, monkeypatch):
     net = tiny_net()
     start = params_of(net)
     uploaded: set[str] = set()
-    observer = lambda ledger, r, c, up: uploaded.update(up)  # noqa: E731
-    CommunicationLedger.global_observers.append(observer)
-    try:
-        run = fit(module(FFALoRA(), net), text_data(tmp_path), rounds=2, limit_val_batches=0)
-    finally:
-        CommunicationLedger.global_observers.remove(observer)
+    monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda ledger, r, c, up: uploaded.update(up)])
+    run = fit(module(FFALoRA(), net), text_data(tmp_path), rounds=2, limit_val_batches=0)
     now = params_of(run.net)
     a_names = [n for n in now if ".lora_A." in n]
     assert a_names and all(torch.equal(now[n], start[n]) for n in a_names)
