@@ -95,17 +95,21 @@ def dotted(path: tuple[str, ...]) -> str:
     return ".".join(p for p in path if p != "init_args")
 
 
-def variants(config: dict[str, Any]) -> tuple[list[tuple[tuple[str, ...], Any]], list[str]]:
-    """(leaves whose variant may share a batched job with the run, leaves whose variant lands in another job)."""
-    together, apart = [], []
+def variants(
+    config: dict[str, Any],
+) -> tuple[list[tuple[tuple[str, ...], Any]], dict[str, dict[str, Any]]]:
+    """(the leaves whose variant may share a batched job with the run, each with its other value; the variant
+    config of each leaf, by its identity name, that lands in another job)."""
+    together, apart = [], {}
+    key = batch_key(config)
     for path, value in leaves(config):
         if dotted(path).split(".")[0] in INVOCATION:
             continue
         variant = set_leaf(config, path, other_value(value))
-        if batch_key(variant) == batch_key(config):
+        if batch_key(variant) == key:
             together.append((path, other_value(value)))
         else:
-            apart.append(dotted(path))
+            apart[dotted(path)] = variant
     return together, apart
 
 
@@ -122,9 +126,7 @@ def test_every_key_either_separates_the_runs_or_is_one_the_run_axis_carries(name
     together, apart = variants(config)
     walked = {dotted(p) for p, _ in together} | set(apart)
     assert {k for k in flatten(config) if k.split(".")[0] not in INVOCATION} <= walked
-    for key in apart:
-        path = next(p for p, _ in leaves(config) if dotted(p) == key)
-        variant = set_leaf(config, path, other_value(dict(leaves(config))[path]))
+    for key, variant in apart.items():
         assert batch_groups([0, 1], [config, variant], None) == [[0], [1]], key
         with pytest.raises(ConfigError, match="cannot share a batch|one process per device"):
             check_batchable([config, variant])
