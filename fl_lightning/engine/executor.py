@@ -114,6 +114,8 @@ def _blocker(algorithm: Algorithm, net: nn.Module, workload: Workload) -> str | 
     """Why the stacked path cannot run this workload at all, or None."""
     if getattr(net, "stacked_blocker", None):  # a network that says it runs one client at a time (LoRAClassifier)
         return str(net.stacked_blocker)
+    if workload.evaluation and getattr(net, "stacked_scoring_blocker", None):  # one that scores one at a time
+        return str(net.stacked_scoring_blocker)
     if not workload.evaluation and not declares_vectorizable(algorithm):
         return f"{type(algorithm).__name__} is not marked vectorizable"
     if workload.evaluation and has_batchnorm(net):  # training stacks per-client BatchNorm statistics; scoring not
@@ -134,8 +136,9 @@ def choose_path(
     blocker = _blocker(algorithm, net, workload)
     if blocker is not None:
         return Decision("sequential", blocker, fallback=executor == "vectorized")
+    note = f"; {net.stacked_note}" if getattr(net, "stacked_note", None) else ""  # e.g. LoRA adapters stacked
     if executor == "vectorized":
-        return Decision("stacked", "model.executor: vectorized")
+        return Decision("stacked", f"model.executor: vectorized{note}")
     # where the stacked path would run its clients in turn anyway (and warn), auto runs the loop
     if workload.optimizer is not None and batched_rule(workload.optimizer) is None:
         name = factory_name(workload.optimizer.factory)
@@ -150,7 +153,7 @@ def choose_path(
     if k < least:
         return Decision("sequential", f"{at_once}: the loop is faster below {least}")
     what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
-    return Decision("stacked", f"{what}, {at_once}")
+    return Decision("stacked", f"{what}, {at_once}{note}")
 
 
 def planned_clients(module: FederatedRun, clients: int) -> int:

@@ -83,6 +83,7 @@ from fl_lightning.engine.stacked_nets import (
     channels_last,
     has_conv,
     has_rnn,
+    own_stacked_forward,
     pad_rows,
     per_sample_cross_entropy,
     relu_layers,
@@ -355,6 +356,11 @@ class VectorizedContext:
                      "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         head_only = self._head_only(trainable, gradient, objective)
+        custom = gradient is not None or objective is not None or self.sides is not None
+        if not head_only and custom and own_stacked_forward(self.net) is not None:
+            say_once(self.net, "own_stacked", logging.WARNING,  # its stacked forward has no per-client vmap form
+                     "vectorized executor: a custom step on %s: clients run in turn", type(self.net).__name__)
+            return self._sgd_client_by_client(out, phase)
         if not head_only and has_rnn(self.net):
             say_once(self.net, "rnn", logging.WARNING,
                      "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")

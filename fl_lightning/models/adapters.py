@@ -244,9 +244,13 @@ class LoRAClassifier(SplitModel):
                                  pad_token_id, base_dropout, layers)  # fmt: skip
         hidden = int(body.lm.base_model.model.config.hidden_size)
         super().__init__(body, nn.Linear(hidden, num_labels))
-        #: the stacked path would copy nothing of the base, but vmap over a Hugging Face model is not proven here:
-        #: the engine's executor runs these networks in its loop (``executor._blocker``)
-        self.stacked_blocker = "a Hugging Face transformer with LoRA adapters runs one client at a time"
+        #: the executor's stacked path trains a cohort's adapters in one step over the one base (``stacked_forward``);
+        #: LoRA dropout would draw per client, so with it the clients run in the loop (``executor._blocker``)
+        self.stacked_blocker = "LoRA dropout runs one client at a time" if lora_dropout > 0 else None
+        #: scoring stacks whole client models (one base copy per client): evaluation runs in the loop
+        self.stacked_scoring_blocker = "a LoRA network scores one client at a time"
+        #: said in the executor's decision when the stacked path trains this network
+        self.stacked_note = "LoRA adapters stacked over one frozen base"
         #: checkpoints hold the adapters and the head only; the frozen base is rebuilt from its source on resume
         #: (``engine.checkpoint``: a fingerprint of each base tensor refuses another base)
         self.checkpoint_frozen = False
@@ -259,3 +263,10 @@ class LoRAClassifier(SplitModel):
 
     def adapter_weights(self, weights: Mapping[str, Tensor | float]) -> contextlib.AbstractContextManager[None]:
         return self.body.adapter_weights(weights)
+
+    def stacked_forward(self, params: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """K clients' logits ``[K, B, C]`` on ``x`` ``[K, B, L]`` with their stacked adapters and heads over the one
+        frozen base: ``models.stacked_lora.stacked_forward`` (the engine's stacked step calls it)."""
+        from fl_lightning.models.stacked_lora import stacked_forward
+
+        return stacked_forward(self, params, x)
