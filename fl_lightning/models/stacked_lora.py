@@ -66,7 +66,8 @@ def _batched_lora(net: nn.Module, params: Mapping[str, Tensor], clients: int) ->
             continue
         pairs = []
         for adapter in module.lora_A:
-            a, b = params.get(f"body.{name}.lora_A.{adapter}.weight"), params.get(f"body.{name}.lora_B.{adapter}.weight")
+            a = params.get(f"body.{name}.lora_A.{adapter}.weight")
+            b = params.get(f"body.{name}.lora_B.{adapter}.weight")
             if a is not None and b is not None:  # a [K, r, d_in], b [K, d_out, r]
                 pairs.append((a, b, float(module.scaling[adapter])))
 

@@ -140,7 +140,8 @@ def _train(tmp_path: Path, method: str, executor: str) -> Path:
         write_clients_hf(data, clients=4, train=6, test=4)
         write_tokenizer(tok)
     run = tmp_path / executor
-    args = ["--config", str(ROOT / "configs/adapters/base.yaml"), "--config", str(ROOT / f"configs/adapters/{method}.yaml"),
+    args = ["--config", str(ROOT / "configs/adapters/base.yaml"),
+            "--config", str(ROOT / f"configs/adapters/{method}.yaml"),
             "--model.network.init_args.model", "null", "--model.network.init_args.layers", "null",
             "--model.network.init_args.config", json.dumps(tiny_config()), "--model.executor", executor,
             "--data.init_args.path", str(data), "--data.init_args.tokenizer", str(tok), "--data.init_args.num_clients",
