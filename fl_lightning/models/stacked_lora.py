@@ -31,11 +31,16 @@ __all__ = ["shared_base", "stacked_forward", "stacked_loss", "stacked_names"]
 def stacked_names(net: nn.Module, adapter: str = "default") -> list[str]:
     """The tensors a client owns in the stacked step: ``adapter``'s A and B of every layer, and the head."""
     names = [n for n, p in net.named_parameters() if p.requires_grad and f".{adapter}." in n]
-    return names + [n for n, _ in net.head.named_parameters(prefix="head")]
+    return names + [n for n, p in net.head.named_parameters(prefix="head") if p.requires_grad]
 
 
 def _is_factor(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def _one_tensor(v: Tensor) -> bool:
+    """Whether ``[K, ...]`` ``v`` is one untrained tensor seen by every client (stride 0, or K = 1)."""
+    return not v.requires_grad and (v.shape[0] == 1 or v.stride(0) == 0)
 
 
 def shared_base(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -46,7 +51,7 @@ def shared_base(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     for n, v in params.items():
         if not n.startswith("body.") or _is_factor(n):
             continue
-        if v.shape[0] > 1 and v.stride(0) != 0:
+        if not _one_tensor(v):
             raise ValueError(f"stacked LoRA step: {n} differs per client; the base must be one tensor shared by all")
         out[n[len("body.") :]] = v[0]
     return out
@@ -98,7 +103,14 @@ def stacked_forward(net: nn.Module, params: Mapping[str, Tensor], x: Tensor) -> 
         rows = x.reshape(k * b, *x.shape[2:])
         features = functional_call(net.body, base, (rows,)) if base else net.body(rows)
     features = features.reshape(k, b, -1)  # [K, B, D]
-    return torch.baddbmm(params["head.bias"].unsqueeze(1), features, params["head.weight"].transpose(1, 2))
+    if "head.weight" not in params:  # the network's own head (frozen, not passed)
+        return net.head(features)
+    weight, bias = params["head.weight"], params.get("head.bias")
+    if _one_tensor(weight) and (bias is None or _one_tensor(bias)):  # a frozen head (a causal LM's vocabulary)
+        return F.linear(features, weight[0], None if bias is None else bias[0])
+    if bias is None:
+        return torch.bmm(features, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), features, weight.transpose(1, 2))
 
 
 def stacked_loss(net: nn.Module, params: Mapping[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
