@@ -211,3 +211,16 @@ def test_the_stacked_path_equals_the_loop_batch_by_batch_on_cuda(tmp_path: Path)
         _stacked_equals_the_loop(tmp_path, "gpu")
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def test_a_lora_run_never_stacks_its_clients_with_another_runs() -> None:
+    """On the run axis, runs of one config may train their clients in one call; a LoRA run does not (each run holds
+    its own base, which one call over the runs would copy per client), whereas the same method on an MLP does."""
+    from torch import nn
+
+    from fl_lightning.algorithms import FedIT
+    from fl_lightning.experiment.run_axis.cohorts import shares_calls
+    from fl_lightning.models import SplitModel
+
+    assert not shares_calls(module(FedIT(), tiny_net()))
+    assert shares_calls(module(FedIT(), SplitModel(nn.Linear(3, 4), nn.Linear(4, 2))))
