@@ -19,6 +19,7 @@ from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import LoRACausalLM
 from fl_lightning.models.adapters import lora_pairs
 from tests.helpers.tiny_instruction import tiny_llama_config, write_data
+from tests.helpers.tiny_lora import draw_lora_b
 from tests.helpers.training import fit
 
 
@@ -26,12 +27,7 @@ def tiny_lm(seed: int = 0, **kw) -> LoRACausalLM:
     """B drawn non-zero (peft starts it at 0) so the adapters change the outputs."""
     torch.manual_seed(seed)
     net = LoRACausalLM(config=tiny_llama_config(), rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], **kw)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in net.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return net
+    return draw_lora_b(net, seed + 1, scale=0.2)
 
 
 def merged_reference(net: LoRACausalLM, seed: int = 0):
