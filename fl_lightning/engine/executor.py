@@ -224,10 +224,11 @@ def client_context(
     split: str = "train",
     tag: str = "train",
     step_budget: float = 1.0,
+    fed: FederatedData | None = None,
 ) -> ClientContext:
-    """One client's context on its ``split`` (``train`` or ``test``) with its generator ``(seed, tag, round,
-    client)``; the augmentation applies to training data only."""
-    fed = module.fed
+    """One client's context on its ``split`` (``train`` or ``test``) of ``fed`` (default: the run's data) with its
+    generator ``(seed, tag, round, client)``; the augmentation applies to training data only."""
+    fed = module.fed if fed is None else fed
     x, y = (fed.train if split == "train" else fed.test).client(client)
     return ClientContext(
         module.net, client, x, y, None if fed.side is None else fed.side[client],
@@ -237,10 +238,12 @@ def client_context(
 
 
 def vector_context(
-    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train"
+    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train",
+    fed: FederatedData | None = None,
 ) -> VectorizedContext:
-    """``clients`` stacked in one context on their training data (the stacked path's ``client_context``)."""
-    fed = module.fed
+    """``clients`` stacked in one context on their training data in ``fed`` (default: the run's data; the stacked
+    path's ``client_context``)."""
+    fed = module.fed if fed is None else fed
     pairs = [fed.train.client(c) for c in clients]
     return VectorizedContext(
         module.net, list(clients), [x for x, _ in pairs], [y for _, y in pairs],
