@@ -206,7 +206,6 @@ def test_new_clients_are_evaluated_through_the_held_out_client_path(name):
         assert abs(acc - sum(accs) / 5) < 1e-5
 
 
-
 @pytest.mark.parametrize("executor", ["sequential", "vectorized"])
 def test_new_clients_are_evaluated_on_their_own_data_and_the_runs_data_stays(
     executor: str, monkeypatch: pytest.MonkeyPatch
