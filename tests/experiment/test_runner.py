@@ -1,8 +1,7 @@
-"""The experiment runner (``fl_lightning/experiment/runner.py`` through ``python -m fl_lightning.experiment``): grids run,
-
-skip/resume, compare, sweeps, workers (the file format, validation and the command line's refusals have their own
-files). Training runs here are tiny (digits, 3-12 rounds); the full grids (configs/experiments/*.yaml) are only expanded
-and parsed.
+"""The experiment runner (``fl_lightning/experiment/runner.py``, through ``python -m fl_lightning.experiment``):
+grids run, skip/resume, compare, sweeps, workers (the file format, validation and the command line's refusals have
+their own files). Training runs here are tiny (digits, 3-12 rounds); the full grids (configs/experiments/*.yaml) are
+only expanded and parsed.
 """
 
 from __future__ import annotations
