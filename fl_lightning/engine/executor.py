@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -32,6 +32,7 @@ from fl_lightning.client import ClientOptimizer, Params, factory_name, split_sta
 from fl_lightning.engine.batched_optim import batched_rule
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
+from fl_lightning.engine.optimizers import RoundOptimizers
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batchnorm
 from fl_lightning.engine.stacked import VectorizedContext
@@ -74,9 +75,10 @@ class FederatedRun(Protocol):
     executor: ExecutorName
     keep_client_optimizer_state: bool
     run_axis: Any
-    round_optimizers: Any
     loss_fn: Any
     device: torch.device
+    client_optimizer: ClientOptimizer
+    round_optimizers: RoundOptimizers
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def decide(module: FederatedRun, clients: int) -> Decision:
     path alike)."""
     fed = module.fed
     augment = None if fed is None else fed.augment
-    optimizer = module.round_optimizers.client_settings()
+    optimizer = client_settings(module)
     workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
     if module in _DECIDED:
@@ -209,6 +211,15 @@ def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offset
 
 
 # ---- contexts ---------------------------------------------------------------------------------------------------
+def client_settings(module: FederatedRun) -> ClientOptimizer:
+    """The round's client optimiser: ``module.client_optimizer`` at the learning rate the client schedule holds now
+    (``RoundOptimizers.client_lr``, which Lightning steps and checkpoints); before fitting, the configured one."""
+    holder = module.round_optimizers.client_lr
+    if holder is None:
+        return module.client_optimizer
+    return replace(module.client_optimizer, lr=float(holder.param_groups[0]["lr"]))
+
+
 def client_context(
     module: FederatedRun,
     client: int,
@@ -216,27 +227,30 @@ def client_context(
     split: str = "train",
     tag: str = "train",
     step_budget: float = 1.0,
+    fed: FederatedData | None = None,
 ) -> ClientContext:
-    """One client's context on its ``split`` (``train`` or ``test``) with its generator ``(seed, tag, round,
-    client)``; the augmentation applies to training data only."""
-    fed = module.fed
+    """One client's context on its ``split`` (``train`` or ``test``) of ``fed`` (default: the run's data) with its
+    generator ``(seed, tag, round, client)``; the augmentation applies to training data only."""
+    fed = module.fed if fed is None else fed
     x, y = (fed.train if split == "train" else fed.test).client(client)
     return ClientContext(
         module.net, client, x, y, None if fed.side is None else fed.side[client],
-        module.round_optimizers.client_settings(), module.loss_fn, make_generator(fed.seed, tag, round_idx, client),
+        client_settings(module), module.loss_fn, make_generator(fed.seed, tag, round_idx, client),
         fed.augment if split == "train" else None, round_idx, fed.seed, step_budget,
     )  # fmt: skip
 
 
 def vector_context(
-    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train"
+    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train",
+    fed: FederatedData | None = None,
 ) -> VectorizedContext:
-    """``clients`` stacked in one context on their training data (the stacked path's ``client_context``)."""
-    fed = module.fed
+    """``clients`` stacked in one context on their training data in ``fed`` (default: the run's data; the stacked
+    path's ``client_context``)."""
+    fed = module.fed if fed is None else fed
     pairs = [fed.train.client(c) for c in clients]
     return VectorizedContext(
         module.net, list(clients), [x for x, _ in pairs], [y for _, y in pairs],
-        None if fed.side is None else [fed.side[c] for c in clients], module.round_optimizers.client_settings(),
+        None if fed.side is None else [fed.side[c] for c in clients], client_settings(module),
         per_sample_loss_for(fed.num_classes), [make_generator(fed.seed, tag, round_idx, c) for c in clients],
         fed.augment, round_idx, fed.seed, budgets,
     )  # fmt: skip

@@ -35,11 +35,10 @@ from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import ClientOptimizer, OptimizerCallable, Params, has_batchnorm1d
 from fl_lightning.engine import aggregation, evaluation, executor, lightning_logging
 from fl_lightning.engine import checkpoint as checkpoint_entries
-from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
+from fl_lightning.engine.aggregation import CohortSums, CommunicationLedger, RoundStats, TrainingDiverged
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
 from fl_lightning.engine.executor import ExecutorName
-from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, LRSchedulerCallable, RoundOptimizers
 from fl_lightning.engine.privacy import Privacy, PrivacyEngine, PrivateAggregation, check_algorithm
 from fl_lightning.engine.sequential import loss_fn_for, state_template
