@@ -27,7 +27,9 @@ machine taken back keeps what was measured; ``--parts`` picks some):
    runner's default job for runs that differ only in their seed) against the same runs one after another in this
    process (``cli.train_config``), after a one-round warm-up of each side; wall seconds, the throughput ratio, and
    every run's largest summary difference (``final``, ``last10``, ``best``, ``final_std``), checked against
-   ``TOLERANCE``.
+   ``TOLERANCE``; on CUDA each side's peak device memory, and how many runs batched this way would fit in
+   ``MEMORY_FRACTION`` of the card (its memory / the batched job's peak per run: arithmetic on the measurement,
+   for issue 42's item 2).
 4. the other methods of part 1.
 
 TF32 is off by default (``--tf32`` turns it on), so that the equality checks are the CUDA tests' and the TFLOP/s
@@ -91,6 +93,8 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
 }
 PARTS = ("methods", "compute", "grid")
+#: the share of the card's memory that ``batched_runs_per_card`` divides by a batched run's measured peak
+MEMORY_FRACTION = 0.9
 METHOD_HEADERS = ["method", "auto path", "sequential s/round", "auto s/round", "seq/auto", "max |auto - seq|", "equal"]
 
 
@@ -192,6 +196,20 @@ def training_flops_per_image(device: torch.device) -> float:
     with FlopCounterMode(display=False) as counter:
         torch.nn.functional.cross_entropy(net(x), y).backward()
     return counter.get_total_flops() / 10
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The CUDA allocator's peak since the last reset (MiB); NaN on other devices."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+
+
+def total_memory_mb(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else float("nan")
 
 
 def compiled_graphs() -> int:
@@ -330,17 +348,22 @@ class GpuBench:
             return [o.summary for o in outcomes]
 
         results: dict[str, tuple[list[dict[str, Any]], float]] = {}
+        peaks: dict[str, float] = {}
         for label, fn in (("one after another", alone), ("batched", batched)):
             root = out / label.replace(" ", "_")
             shutil.rmtree(root, ignore_errors=True)
             with quiet():
                 fn(1, root / "warm-up")  # imports and first-call costs, outside the timing
                 synchronize(self.device)
+                reset_peak_memory(self.device)
                 start = time.perf_counter()
                 summaries = fn(a.grid_rounds, root)
                 synchronize(self.device)
             results[label] = summaries, time.perf_counter() - start
+            peaks[label] = peak_memory_mb(self.device)
         (solo, solo_s), (batch, batch_s) = results.values()
+        per_run = peaks["batched"] / a.seeds  # device memory a batched run costs
+        fit = math.floor(MEMORY_FRACTION * total_memory_mb(self.device) / per_run) if per_run > 0 else float("nan")
         keys = ("final", "last10", "best", "final_std")
         worst, equal = 0.0, True
         for s, (x, y) in enumerate(zip(solo, batch)):
@@ -354,11 +377,16 @@ class GpuBench:
             self.add(f"FedAvg x{a.seeds} {label}", "wall_s", seconds, "grid", grid_rounds=a.grid_rounds)
         self.add(f"FedAvg x{a.seeds} batched", "throughput_ratio", speedup, "grid", grid_rounds=a.grid_rounds)
         self.add(f"FedAvg x{a.seeds} batched", "max_abs_summary_diff", worst, "grid", grid_rounds=a.grid_rounds)
+        for label, peak in peaks.items():
+            self.add(f"FedAvg x{a.seeds} {label}", "peak_mem_mb", peak, "grid", grid_rounds=a.grid_rounds)
+        self.add(f"FedAvg x{a.seeds} batched", "batched_runs_per_card", fit, "grid", memory_fraction=MEMORY_FRACTION)
         checked = equal if not a.tf32 else "n/a (TF32)"
         if not a.tf32:
             self.add(f"FedAvg x{a.seeds} batched", "batched_equals_alone", float(equal), "grid")
         self.row("grid", ["runs", "rounds", "alone wall_s", "batched wall_s", "throughput ×", "max summary diff",
-                          "equal"], [f"FedAvg x{a.seeds}", a.grid_rounds, solo_s, batch_s, speedup, worst, checked])
+                          "equal", "alone peak MB", "batched peak MB", "batched runs per card"],
+                 [f"FedAvg x{a.seeds}", a.grid_rounds, solo_s, batch_s, speedup, worst, checked,
+                  peaks["one after another"], peaks["batched"], fit])  # fmt: skip
 
 
 def grid_config(args: argparse.Namespace, device: torch.device) -> str:
