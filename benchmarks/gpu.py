@@ -7,7 +7,8 @@ settings of the issue's table where it names one (``ISSUE_SETTINGS``: FedRep 10 
 pFedMe K = 5, MOON μ = 1, FedProto λ = 1, FedDyn α = 1), the others with their constructor's defaults.
 
 Parts, in this order (each writes its records to ``results.json`` as soon as it has them, so a late failure or a
-machine taken back keeps what was measured; ``--parts`` picks some):
+machine taken back keeps what was measured; a step that raises is one ``FAILED`` line and a ``failed`` record, the
+next steps run, and the exit code is 1; ``--parts`` picks some):
 
 1. ``methods``: per method, a Lightning fit of ``--rounds`` rounds (validation off) with ``model.executor:
    sequential`` and one with ``auto``; s/round is the mean of the rounds after the first (the first holds the
@@ -84,8 +85,9 @@ ISSUE_SETTINGS: dict[str, dict[str, Any]] = {
     "FedProto": {"lam": 1.0},
     "FedDyn": {"alpha": 1.0},
 }
-#: dense peak TFLOP/s from NVIDIA's datasheets (the tensor-core figures without sparsity), by the start of
-#: ``torch.cuda.get_device_name``; ``--peak-tflops`` overrides for a card not listed
+#: dense peak TFLOP/s from NVIDIA's datasheets (the tensor-core figures without sparsity), by
+#: ``torch.cuda.get_device_name`` (or that name and a ``-suffix``); ``--peak-tflops`` gives it for a card not listed
+#: (H200 NVL, H100 NVL and others have other peaks: not matched, NaN)
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "NVIDIA H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4},
     "NVIDIA H100 80GB HBM3": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4},  # SXM
@@ -224,8 +226,8 @@ def peak_tflops(args: argparse.Namespace, device: torch.device, precision: str) 
     if args.peak_tflops:
         return args.peak_tflops
     name = device_name(device)
-    for prefix, peaks in PEAK_TFLOPS.items():
-        if name.startswith(prefix):
+    for card, peaks in PEAK_TFLOPS.items():  # the name itself, or with a form-factor suffix (A100-SXM4-80GB)
+        if name == card or name.startswith(card + "-"):
             return peaks[precision]
     return float("nan")
 
@@ -286,40 +288,49 @@ class GpuBench:
         self.row("methods", METHOD_HEADERS, [name, path.path, s, a, s / a, diff, checked])
 
     # ---- part 2 -------------------------------------------------------------------------------------------------
-    def compute(self) -> None:
-        headers = ["variant", "s/round", "TFLOP/s", "peak TFLOP/s", "% of peak", "max |x - eager fp32|", "equal",
-                   "graphs"]  # fmt: skip
+    COMPUTE_HEADERS = ["variant", "s/round", "TFLOP/s", "peak TFLOP/s", "% of peak", "max |x - eager fp32|", "equal",
+                       "graphs"]  # fmt: skip
+
+    def fedavg_reference(self) -> tuple[FederatedModule, RoundTimer]:
+        """FedAvg's eager ``auto`` fit (part 1's, or run now)."""
         if ("FedAvg", "auto") not in self.fits:
             self.method("FedAvg")
-        eager, timer = self.fits[("FedAvg", "auto")]
+        return self.fits[("FedAvg", "auto")]
+
+    def report_compute(self, variant: str, seconds: float, precision: str, diff: float, equal: bool | str,
+                       graphs: int = 0) -> None:  # fmt: skip
         flops = training_flops_per_image(self.device)
         images = min(10, self.args.clients) * self.args.samples  # FedAvg: 1 epoch of each sampled client
-        self.add("FedAvg", "train_flops_per_image", flops, "compute")
-        fp32 = "tf32" if self.args.tf32 else "fp32"
+        tflops, peak = flops * images / seconds / 1e12, peak_tflops(self.args, self.device, precision)
+        for metric, value in (("s_per_round", seconds), ("tflops", tflops), ("peak_tflops", peak),
+                              ("fraction_of_peak", tflops / peak), ("max_abs_diff_eager", diff),
+                              ("train_flops_per_image", flops), ("compiled_graphs", graphs)):  # fmt: skip
+            self.add(f"FedAvg {variant}", metric, value, "compute", precision=precision)
+        if isinstance(equal, bool):
+            self.add(f"FedAvg {variant}", "equals_eager", float(equal), "compute", precision=precision)
+        self.row("compute", self.COMPUTE_HEADERS, [f"FedAvg {variant}", seconds, tflops, peak, 100 * tflops / peak,
+                                                   diff, equal, graphs])  # fmt: skip
 
-        def report(variant: str, seconds: float, precision: str, diff: float, equal: bool | str,
-                   graphs: int = 0) -> None:  # fmt: skip
-            tflops, peak = flops * images / seconds / 1e12, peak_tflops(self.args, self.device, precision)
-            for metric, value in (("s_per_round", seconds), ("tflops", tflops), ("peak_tflops", peak),
-                                  ("fraction_of_peak", tflops / peak), ("max_abs_diff_eager", diff)):  # fmt: skip
-                self.add(f"FedAvg {variant}", metric, value, "compute", precision=precision)
-            if isinstance(equal, bool):
-                self.add(f"FedAvg {variant}", "equals_eager", float(equal), "compute", precision=precision)
-            self.add(f"FedAvg {variant}", "compiled_graphs", graphs, "compute", precision=precision)
-            self.row("compute", headers, [f"FedAvg {variant}", seconds, tflops, peak, 100 * tflops / peak, diff, equal,
-                                          graphs])  # fmt: skip
+    def compute(self) -> None:
+        """FedAvg's eager ``auto`` round as TFLOP/s against the card's peak."""
+        _, timer = self.fedavg_reference()
+        self.report_compute("auto", timer.mean_after_first, "tf32" if self.args.tf32 else "fp32", 0.0, True)
 
-        report("auto", timer.mean_after_first, fp32, 0.0, True)
-        for mode in self.args.compile_modes:  # graphs: how many dynamo captured (0: the path had no step to compile)
-            before = compiled_graphs()
-            module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", compile_mode=mode)
-            diff, equal = max_difference(module, eager)
-            report(f"auto compile={mode}", t.mean_after_first, fp32, diff, equal if not self.args.tf32 else "n/a",
-                   compiled_graphs() - before)  # fmt: skip
-        if self.device.type == "cuda" or self.args.smoke:
-            module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", precision="bf16-mixed")
-            diff, _ = max_difference(module, eager)
-            report("auto bf16-mixed", t.mean_after_first, "bf16", diff, "n/a (bf16)")
+    def compute_compiled(self, mode: str) -> None:
+        """FedAvg ``auto`` with ``model.compile: mode``; graphs: how many dynamo captured (0: no step compiled)."""
+        eager, _ = self.fedavg_reference()
+        before = compiled_graphs()
+        module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", compile_mode=mode)
+        diff, equal = max_difference(module, eager)
+        self.report_compute(f"auto compile={mode}", t.mean_after_first, "tf32" if self.args.tf32 else "fp32", diff,
+                            equal if not self.args.tf32 else "n/a (TF32)", compiled_graphs() - before)  # fmt: skip
+
+    def compute_bf16(self) -> None:
+        """FedAvg ``auto`` under ``trainer.precision: bf16-mixed`` (its difference from fp32 reported, not checked)."""
+        eager, _ = self.fedavg_reference()
+        module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", precision="bf16-mixed")
+        diff, _ = max_difference(module, eager)
+        self.report_compute("auto bf16-mixed", t.mean_after_first, "bf16", diff, "n/a (bf16)")
 
     # ---- part 3 -------------------------------------------------------------------------------------------------
     def grid(self) -> None:
@@ -482,29 +493,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name(device)} ({device}), TF32 {'on' if args.tf32 else 'off'}; {bench.setting}", flush=True)
     steps: list[tuple[str, Callable[[], None]]] = []
     if "methods" in args.parts:
-        steps.append(("methods", lambda: bench.method("FedAvg")))
+        steps.append(("methods FedAvg", lambda: bench.method("FedAvg")))
     if "compute" in args.parts:
         steps.append(("compute", bench.compute))
+        steps += [(f"compute compile={mode}", lambda m=mode: bench.compute_compiled(m)) for mode in args.compile_modes]
+        if device.type == "cuda" or args.smoke:
+            steps.append(("compute bf16-mixed", bench.compute_bf16))
     if "grid" in args.parts:
         steps.append(("grid", bench.grid))
     if "methods" in args.parts:
-        steps += [("methods", lambda n=n: bench.method(n)) for n in wanted[1:]]
+        steps += [(f"methods {n}", lambda n=n: bench.method(n)) for n in wanted[1:]]
+    failed: list[str] = []
     for part, step in steps:
         try:
             step()
         except ConfigError as error:  # a method that does not apply to this network (FedBN needs BatchNorm)
             print(f"  {part}: skipped, {error}", flush=True)
-        except BaseException:
+        except Exception as error:  # one failing step costs its own numbers only: a GPU window is short
+            line = f"{part}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+            failed.append(line)
+            bench.add(part, "failed", 1.0, part.split()[0], error=line[:200].replace(",", ";"))
             path = bench.save()
-            print(f"part {part} failed; results.json keeps the {len(bench.records)} records before it: {path}")
+            print(f"  FAILED {line} (results.json keeps the {len(bench.records)} records so far: {path})", flush=True)
+        except BaseException:  # interrupted: what was measured stays
+            path = bench.save()
+            print(f"part {part} interrupted; results.json keeps the {len(bench.records)} records before it: {path}")
             raise
     print_tables(bench)
     image = plot(bench)
     if image is not None:
         print(f"plot: {image}")
+    for line in failed:
+        print(f"failed: {line}")
     print(f"wall: {time.perf_counter() - bench.started:.1f} s")
     print(f"results: {bench.save()}")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
