@@ -55,10 +55,11 @@ def check_mode(mode: str, device: torch.device | str | None = None) -> None:
         )
 
 
-def set_mode(net: nn.Module, mode: str) -> None:
-    """Compile ``net``'s stacked steps in ``mode`` from now on (``none``: eager)."""
+def set_mode(net: nn.Module, mode: str) -> str:
+    """Compile ``net``'s stacked steps in ``mode`` from now on (``none``: eager); returns ``mode``."""
     check_mode(mode)
     _MODES[net] = mode
+    return mode
 
 
 def mode_of(net: nn.Module) -> str:
@@ -76,6 +77,7 @@ def compiled_step(fn: Callable, net: nn.Module) -> Callable:
     mode = mode_of(net)
     if mode == "none":
         return fn
+    check_mode(mode, next(net.parameters()).device)  # cudagraphs off CUDA (train.py refuses it when parsing)
     if mode != "cudagraphs":
         return torch.compile(fn, dynamic=False, backend=BACKEND)
     compiled = torch.compile(fn, dynamic=False, mode="reduce-overhead")

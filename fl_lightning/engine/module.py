@@ -37,7 +37,6 @@ from fl_lightning.engine import aggregation, compiled, evaluation, executor, lig
 from fl_lightning.engine import checkpoint as checkpoint_entries
 from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
 from fl_lightning.engine.client_data import FederatedData
-from fl_lightning.engine.compiled import CompileMode
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
 from fl_lightning.engine.executor import ExecutorName
 from fl_lightning.engine.ledger import CommunicationLedger
@@ -106,9 +105,7 @@ class FederatedModule(L.LightningModule):
         eval_clients: the periodic evaluations score a fixed seeded sample of this many clients (the same each
             time, so curves compare; ``val/acc_mean_sem`` is the standard error of the sampled mean); the final
             evaluation of a fit (after its last round) scores every client. None (default): every client, always.
-        compile: the stacked path's local steps eager (``none``, default), compiled by ``torch.compile``
-            (``compile``) or captured once as CUDA graphs and replayed (``cudagraphs``, CUDA only); the same numbers
-            to rounding (``fl_lightning.engine.compiled``).
+        compile: the stacked steps eager (``none``), compiled (``compile``) or CUDA graphs (``engine.compiled``).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -141,7 +138,7 @@ class FederatedModule(L.LightningModule):
         privacy: Privacy | None = None,
         client_state: Placement = "auto",
         eval_clients: int | None = None,
-        compile: CompileMode = "none",
+        compile: compiled.CompileMode = "none",
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
@@ -151,11 +148,8 @@ class FederatedModule(L.LightningModule):
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", "privacy",
                                           *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
-        self.executor = executor
-        compiled.set_mode(network, compile)  # the stacked steps' compilation (engine.compiled), a network's setting
-        self.compile_mode = compile
+        self.executor, self.compile_mode = executor, compiled.set_mode(network, compile)  # a network's setting
         self.new_client_finetune = new_client_finetune or FineTune.head_only(epochs=10)  # FedRep Fig. 6
-        self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
         self.privacy = None if privacy is None else PrivacyEngine(privacy)
@@ -229,8 +223,6 @@ class FederatedModule(L.LightningModule):
             raise ConfigError(FP16_REFUSED)
         if stage == TrainerFn.FITTING:
             self._schedule_validation()
-            if self.compile_mode == "cudagraphs":  # CUDA only: said before the first round
-                compiled.check_mode(self.compile_mode, self.trainer.strategy.root_device)
         self.attach_data(datamodule.federated)
         if self.privacy is not None:
             self.privacy.setup(self.trainer, datamodule)

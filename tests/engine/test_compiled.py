@@ -4,6 +4,8 @@ with one line. ``compile`` runs on the CPU; ``cudagraphs`` (CUDA graphs) only in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -15,8 +17,9 @@ from fl_lightning.engine.host_syncs import count_host_reads
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
-from tests.helpers.training import make_trainer
+from tests.helpers.training import make_trainer, train_here
 
+ROOT = Path(__file__).resolve().parents[2]
 ROUNDS, CLIENTS, PER_ROUND = 2, 5, 3
 
 
@@ -57,12 +60,18 @@ def test_a_mode_that_does_not_exist_is_one_config_error_line() -> None:
         FederatedModule(FedAvg(1), DigitsMLP(), compile="fast")
 
 
-def test_cudagraphs_on_the_cpu_stops_before_training_with_the_fix() -> None:
+def test_cudagraphs_on_the_cpu_stops_at_its_first_step_and_train_py_refuses_it_when_parsing(tmp_path, capsys) -> None:
     module = FederatedModule(FedAvg(1), DigitsMLP(), compile="cudagraphs")
     dm = DigitsDataModule(num_clients=CLIENTS, partition=Shards(2), clients_per_round=PER_ROUND, seed=0)
     with pytest.raises(ConfigError, match="cudagraphs captures CUDA graphs and the run is on cpu; use model.compile"):
         make_trainer(1, limit_val_batches=0).fit(module, datamodule=dm)
     assert module.rounds_trained == 0
+    run_dir = tmp_path / "run"
+    code = train_here(["--config", str(ROOT / "configs" / "quickstart.yaml"), "--trainer.accelerator", "cpu",
+                       "--model.compile", "cudagraphs", "--run_dir", str(run_dir)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "model.compile" in err and "needs a CUDA device" in err and "Traceback" not in err, err
+    assert not run_dir.exists()  # refused before anything was written
 
 
 def test_none_hands_back_the_step_itself_and_the_mode_belongs_to_the_network(monkeypatch) -> None:
