@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import logging
 import math
@@ -167,7 +168,8 @@ def timed_fit(
     timer = RoundTimer()
     trainer = L.Trainer(
         max_steps=args.rounds, limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accelerator=device.type, devices=1,
+        enable_progress_bar=False, enable_model_summary=False, accelerator=device.type,
+        devices=[device.index] if device.index is not None else 1,
         use_distributed_sampler=False, callbacks=[timer], precision=precision,
     )  # fmt: skip
     with quiet():
@@ -212,6 +214,22 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def total_memory_mb(device: torch.device) -> float:
     return torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else float("nan")
+
+
+def release_memory(device: torch.device) -> None:
+    """Finished fits' device copies of the data handed back before the next fit."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def others_on_the_card(device: torch.device) -> str:
+    """What else holds the card: its memory in use before this command allocated anything (CUDA), for the report."""
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    used = (total - free) / 2**20
+    return f"; {used:.0f} MiB of {total / 2**20:.0f} MiB in use at the start (its own CUDA context included)"
 
 
 def compiled_graphs() -> int:
@@ -286,6 +304,8 @@ class GpuBench:
         if not self.args.tf32:
             self.add(name, "auto_equals_seq", float(equal), "methods", path=path.path)
         self.row("methods", METHOD_HEADERS, [name, path.path, s, a, s / a, diff, checked])
+        del seq_module, auto_module
+        release_memory(self.device)
 
     # ---- part 2 -------------------------------------------------------------------------------------------------
     COMPUTE_HEADERS = ["variant", "s/round", "TFLOP/s", "peak TFLOP/s", "% of peak", "max |x - eager fp32|", "equal",
@@ -490,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     set_tf32(args.tf32)
     args.out.mkdir(parents=True, exist_ok=True)
     bench = GpuBench(args, device)
-    print(f"device: {device_name(device)} ({device}), TF32 {'on' if args.tf32 else 'off'}; {bench.setting}", flush=True)
+    print(f"device: {device_name(device)} ({device}), TF32 {'on' if args.tf32 else 'off'}; {bench.setting}"
+          f"{others_on_the_card(device)}", flush=True)  # fmt: skip
     steps: list[tuple[str, Callable[[], None]]] = []
     if "methods" in args.parts:
         steps.append(("methods FedAvg", lambda: bench.method("FedAvg")))
