@@ -501,8 +501,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"error: --methods {unknown[0]} is not a gradient algorithm; pick from {' '.join(chosen)}")
     os.environ.setdefault("WANDB_MODE", "disabled")
-    for name in ("lightning.pytorch", "lightning.fabric", "fl_lightning"):  # the fits' own lines: the tables say it
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # Lightning's own lines (its handlers hold the stderr of their import: quiet() cannot catch them), as they were
+    # once the command returns; the engine's lines (executor: …) go to the current stderr, which quiet() holds back
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        return run(args, wanted)
+    finally:  # a caller in the same process (the tests) gets its logging and TF32 back
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def run(args: argparse.Namespace, wanted: list[str]) -> int:
+    """The parts of ``main``'s parsed command, one step after another (see the module docstring)."""
+    device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     from fl_lightning.cli import set_tf32

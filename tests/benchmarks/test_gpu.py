@@ -4,6 +4,7 @@ what was measured, the FLOP count against a count by hand, and the peak table.""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -46,6 +47,8 @@ def test_a_failing_step_costs_only_its_own_numbers_and_an_interruption_keeps_the
         raise RuntimeError("the compiler gave up\nwith a long traceback")
 
     monkeypatch.setattr(gpu.GpuBench, "compute", boom)
+    engine_log = logging.getLogger("fl_lightning")
+    monkeypatch.setattr(engine_log, "level", logging.INFO)  # as train.py leaves it
     argv = ["--smoke", "--device", "cpu", "--methods", "FedAvg", "--parts", "methods", "compute", "--out",
             str(tmp_path)]  # fmt: skip
     assert gpu.main([*argv, "--compile-modes"]) == 1
@@ -55,6 +58,7 @@ def test_a_failing_step_costs_only_its_own_numbers_and_an_interruption_keeps_the
     records = json.loads((tmp_path / "results.json").read_text())
     assert {"seq_s_per_round", "auto_s_per_round", "auto_equals_seq"} <= {r["metric"] for r in records}
     assert [r["method"] for r in records if r["metric"] == "failed"] == ["compute"]
+    assert engine_log.level == logging.INFO  # the command leaves the engine's logger as train.py set it
 
     def stop(self: gpu.GpuBench) -> None:
         raise KeyboardInterrupt
