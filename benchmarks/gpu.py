@@ -22,7 +22,9 @@ next steps run, and the exit code is 1; ``--parts`` picks some):
    against the card's peak for the precision that ran (``PEAK_TFLOPS`` by ``torch.cuda.get_device_name``;
    ``--peak-tflops`` overrides). Then FedAvg ``auto`` again with ``model.compile`` (``--compile-modes``, default
    ``cudagraphs`` on CUDA, ``compile`` on the CPU) and with ``trainer.precision: bf16-mixed``: s/round, TFLOP/s,
-   and the largest difference from the eager fp32 model (compiled: checked against ``TOLERANCE``; bf16: reported).
+   and the largest difference from the eager fp32 model (compiled: checked against ``TOLERANCE``; bf16: reported);
+   on CUDA, the GPU launches of one more round of client work (``launches_per_round``: kernels, copies, graph
+   replays, counted by ``torch.profiler``), the overhead ``cudagraphs`` is there to remove.
 3. ``grid``: a 5-seed FedAvg grid (``--seeds``, ``--grid-rounds`` rounds, ``train.py``'s defaults otherwise:
    validation after every round, round checkpoints) as one batched job (``run_axis.BatchedRuns``, the experiment
    runner's default job for runs that differ only in their seed) against the same runs one after another in this
@@ -232,6 +234,45 @@ def others_on_the_card(device: torch.device) -> str:
     return f"; {used:.0f} MiB of {total / 2**20:.0f} MiB in use at the start (its own CUDA context included)"
 
 
+#: the CUDA runtime and driver calls that start work on the GPU (a replayed CUDA graph is one launch)
+LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                      "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"})  # fmt: skip
+
+
+def count_events(fn: Callable[[], Any], names: frozenset[str], cuda: bool) -> int:
+    """How many profiler events named in ``names`` one call of ``fn`` records (``torch.profiler``; with ``cuda``
+    the CUDA activity too, which records the runtime's launch calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name in names)
+
+
+def launches_per_round(module: FederatedModule, autocast: torch.dtype | None = None) -> float:
+    """GPU work launches (``LAUNCHES``) of one more round of client work (``run_clients`` of the first cohort, after
+    the fit: compiled code already there), the launch overhead a CUDA graph removes; NaN off CUDA or when the
+    profiler fails (the row keeps its other numbers)."""
+    device = module.device
+    if device.type != "cuda":
+        return float("nan")
+    cohort = list(range(min(10, module.fed.num_clients)))
+
+    def one_round() -> None:
+        glob = module.global_params()
+        with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
+            module.run_clients(cohort, module.rounds_trained, glob, [module.bank.get(c) for c in cohort],
+                               [1.0] * len(cohort))  # fmt: skip
+        torch.cuda.synchronize(device)
+
+    try:
+        return float(count_events(one_round, LAUNCHES, cuda=True))
+    except Exception as error:  # a profiler that cannot attach: said, not fatal
+        print(f"  launches per round not counted: {type(error).__name__}: {error}", flush=True)
+        return float("nan")
+
+
 def compiled_graphs() -> int:
     """Graphs dynamo has captured in this process so far."""
     import torch._dynamo.utils
@@ -309,7 +350,7 @@ class GpuBench:
 
     # ---- part 2 -------------------------------------------------------------------------------------------------
     COMPUTE_HEADERS = ["variant", "s/round", "TFLOP/s", "peak TFLOP/s", "% of peak", "max |x - eager fp32|", "equal",
-                       "graphs"]  # fmt: skip
+                       "graphs", "launches/round"]  # fmt: skip
 
     def fedavg_reference(self) -> tuple[FederatedModule, RoundTimer]:
         """FedAvg's eager ``auto`` fit (part 1's, or run now)."""
@@ -318,23 +359,25 @@ class GpuBench:
         return self.fits[("FedAvg", "auto")]
 
     def report_compute(self, variant: str, seconds: float, precision: str, diff: float, equal: bool | str,
-                       graphs: int = 0) -> None:  # fmt: skip
+                       graphs: int = 0, launches: float = float("nan")) -> None:  # fmt: skip
         flops = training_flops_per_image(self.device)
         images = min(10, self.args.clients) * self.args.samples  # FedAvg: 1 epoch of each sampled client
         tflops, peak = flops * images / seconds / 1e12, peak_tflops(self.args, self.device, precision)
         for metric, value in (("s_per_round", seconds), ("tflops", tflops), ("peak_tflops", peak),
                               ("fraction_of_peak", tflops / peak), ("max_abs_diff_eager", diff),
-                              ("train_flops_per_image", flops), ("compiled_graphs", graphs)):  # fmt: skip
+                              ("train_flops_per_image", flops), ("compiled_graphs", graphs),
+                              ("launches_per_round", launches)):  # fmt: skip
             self.add(f"FedAvg {variant}", metric, value, "compute", precision=precision)
         if isinstance(equal, bool):
             self.add(f"FedAvg {variant}", "equals_eager", float(equal), "compute", precision=precision)
         self.row("compute", self.COMPUTE_HEADERS, [f"FedAvg {variant}", seconds, tflops, peak, 100 * tflops / peak,
-                                                   diff, equal, graphs])  # fmt: skip
+                                                   diff, equal, graphs, launches])  # fmt: skip
 
     def compute(self) -> None:
         """FedAvg's eager ``auto`` round as TFLOP/s against the card's peak."""
-        _, timer = self.fedavg_reference()
-        self.report_compute("auto", timer.mean_after_first, "tf32" if self.args.tf32 else "fp32", 0.0, True)
+        module, timer = self.fedavg_reference()
+        self.report_compute("auto", timer.mean_after_first, "tf32" if self.args.tf32 else "fp32", 0.0, True,
+                            launches=launches_per_round(module))  # fmt: skip
 
     def compute_compiled(self, mode: str) -> None:
         """FedAvg ``auto`` with ``model.compile: mode``; graphs: how many dynamo captured (0: no step compiled)."""
@@ -343,14 +386,16 @@ class GpuBench:
         module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", compile_mode=mode)
         diff, equal = max_difference(module, eager)
         self.report_compute(f"auto compile={mode}", t.mean_after_first, "tf32" if self.args.tf32 else "fp32", diff,
-                            equal if not self.args.tf32 else "n/a (TF32)", compiled_graphs() - before)  # fmt: skip
+                            equal if not self.args.tf32 else "n/a (TF32)", compiled_graphs() - before,
+                            launches_per_round(module))  # fmt: skip
 
     def compute_bf16(self) -> None:
         """FedAvg ``auto`` under ``trainer.precision: bf16-mixed`` (its difference from fp32 reported, not checked)."""
         eager, _ = self.fedavg_reference()
         module, t = timed_fit(self.args, self.device, self.data, "FedAvg", "auto", precision="bf16-mixed")
         diff, _ = max_difference(module, eager)
-        self.report_compute("auto bf16-mixed", t.mean_after_first, "bf16", diff, "n/a (bf16)")
+        self.report_compute("auto bf16-mixed", t.mean_after_first, "bf16", diff, "n/a (bf16)",
+                            launches=launches_per_round(module, torch.bfloat16))  # fmt: skip
 
     # ---- part 3 -------------------------------------------------------------------------------------------------
     def grid(self) -> None:

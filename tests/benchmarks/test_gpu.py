@@ -30,6 +30,7 @@ def test_the_smoke_size_runs_every_part_and_writes_its_records(tmp_path, capsys)
     assert by[("FedAvg auto", "tflops")] > 0 and math.isnan(by[("FedAvg auto", "peak_tflops")])  # a CPU: no peak
     assert by[("FedAvg auto compile=compile", "equals_eager")] == 1.0
     assert ("FedAvg auto bf16-mixed", "max_abs_diff_eager") in by
+    assert math.isnan(by[("FedAvg auto", "launches_per_round")])  # launches are counted on CUDA only
     assert by[("FedAvg x2 batched", "batched_equals_alone")] == 1.0
     assert math.isnan(by[("FedAvg x2 batched", "peak_mem_mb")])  # device memory is measured on CUDA only
     assert {r["seed"] for r in records if r["metric"] == "final_acc"} == {0, 1}
@@ -79,6 +80,16 @@ def test_training_flops_per_image_are_the_layers_products_counted_by_hand():
     total = sum(macs.values())
     expected = 2 * total + 2 * total + 2 * (total - macs["conv1"])
     assert gpu.training_flops_per_image(torch.device("cpu")) == expected
+
+
+def test_the_launch_counter_counts_the_named_profiler_events_of_one_call():
+    """``count_events`` (behind ``launches_per_round``, which counts CUDA launch calls on a GPU) on the CPU: three
+    linear layers are three ``aten::addmm`` and one ``aten::relu``; a name that never happens counts 0."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    assert gpu.count_events(lambda: net(x), frozenset({"aten::addmm"}), cuda=False) == 3
+    assert gpu.count_events(lambda: net(x), frozenset({"aten::addmm", "aten::relu"}), cuda=False) == 4
+    assert gpu.count_events(lambda: net(x), gpu.LAUNCHES, cuda=False) == 0
 
 
 def test_the_peak_comes_from_the_table_by_card_name_or_the_override(monkeypatch):
