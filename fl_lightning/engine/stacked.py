@@ -67,6 +67,7 @@ from fl_lightning.client import (
     state_name,
 )
 from fl_lightning.engine.batched_optim import BatchedRule, batched_rule, per_row
+from fl_lightning.engine.compiled import compiled_step
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.phases import Phase, PhasePlan, masked_mean, plan_phase
 from fl_lightning.engine.sequential import (
@@ -413,7 +414,8 @@ class VectorizedContext:
 
         batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) and not head_only else None
         stacked = phase.gradient is None and phase.objective is None and self.sides is None and stackable(module)
-        step = None if stacked else self._vmapped_step(module, names, phase, batchnorm)
+        step = None if stacked else compiled_step(self._vmapped_step(module, names, phase, batchnorm), self.net)
+        stacked_step = compiled_step(self._stacked_step, self.net)  # model.compile (engine.compiled), else eager
         # a ReLU network with the cross-entropy and no penalty to differentiate: its gradient by hand
         by_hand = stacked and self._per_sample is per_sample_cross_entropy and (
             penalty is None or penalty.gradient is not None)  # fmt: skip
@@ -442,7 +444,7 @@ class VectorizedContext:
                 everyone = s < fewest  # every client steps (known on the host): nothing to mask
                 x, y = batch_inputs(s), data_y[rows[s]]
                 if step is None:
-                    grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata, layers)
+                    grads, losses = stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata, layers)
                     sets, extra = {}, {}
                 else:
                     grads, losses, sets, extra = step(train, frozen, x, y, mask, self.sides, pdata, odata)
