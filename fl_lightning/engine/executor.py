@@ -111,6 +111,7 @@ class Decision:
     paths: StackedPaths | None = field(default=None, compare=False)
     evaluation: EvalPath | None = field(default=None, compare=False)
     finetune: EvalPath | None = field(default=None, compare=False)
+    asked: ExecutorName | None = field(default=None, compare=False)  #: the ``model.executor`` it was made under
 
     @property
     def stacked(self) -> bool:
@@ -245,6 +246,7 @@ def with_sub_paths(module: FederatedRun, decision: Decision, optimizer: ClientOp
     finetune = getattr(module, "finetune", None)
     return replace(
         decision,
+        asked=module.executor,
         paths=paths,
         evaluation=evaluation_path(module, None, at_once),
         finetune=None if finetune is None else evaluation_path(module, finetune, at_once),
@@ -332,10 +334,10 @@ def evaluation_path(module: FederatedRun, finetune: Tuning | None, clients: int)
 
 def evaluation_route(module: FederatedRun, finetune: Tuning | None, clients: int) -> EvalPath:
     """The path of an evaluation of ``clients`` at once: the run's decided one (``decide``: the periodic
-    evaluation, and the run's "+FT"), else (before the run's first round, or another fine-tuning: new clients)
-    ``evaluation_path`` now."""
+    evaluation, and the run's "+FT"), else (before the run's first round, another fine-tuning: new clients', or
+    another ``model.executor`` than the decision's, as a test sets on a fitted module) ``evaluation_path`` now."""
     decision = _DECIDED.get(module)
-    if decision is not None and decision.evaluation is not None:
+    if decision is not None and decision.evaluation is not None and decision.asked == module.executor:
         if finetune is None:
             return decision.evaluation
         if finetune is getattr(module, "finetune", None) and decision.finetune is not None:

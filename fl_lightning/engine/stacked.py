@@ -37,6 +37,7 @@ decided once by ``executor.decide`` and named in the run's executor line), read 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
@@ -58,6 +59,7 @@ from fl_lightning.client import (
     state_name,
 )
 from fl_lightning.engine.batched_optim import BatchedRule, batched_rule, per_row
+from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.phases import Phase, PhasePlan, masked_mean, plan_phase
 from fl_lightning.engine.sequential import (
     FunctionalBatchNorm,
@@ -328,12 +330,17 @@ class VectorizedContext(ClientsInTurn):
         return self._sgd_batched(batched_rule(self.optimizer), head_only, form, out, phase)
 
     def sub_paths(self) -> StackedPaths:
-        """The run's ``StackedPaths`` as given (``executor.decide``), else planned once from this context."""
+        """The run's ``StackedPaths`` as given (``executor.decide``, whose line names them), else planned once from
+        this context; a plan that runs the clients in turn for a reason says why, once per network, unless the
+        run's executor line has (``notes.say_once``, key ``executor``)."""
         if self.paths is None:
             self.paths = plan_stacked(
                 self.net, self.device, self.optimizer, self.augment, self._per_sample is per_sample_cross_entropy,
                 self.sides is not None, self.cache_features, self.loop_over_clients,
             )  # fmt: skip
+            if self.paths.why is not None:
+                say_once(self.net, "executor", logging.WARNING, "vectorized executor: %s: clients run in turn",
+                         self.paths.why)  # fmt: skip
         return self.paths
 
     def _caps(self, max_steps: MaxSteps) -> int | None | list[int]:

@@ -26,7 +26,6 @@ from fl_lightning.engine.stacked_nets import (
     stack,
     unstack,
 )
-from fl_lightning.engine.stacked_paths import StackedPaths
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.models.split import Concat, SplitModel
 from tests.helpers.asserts import assert_close_finite
@@ -746,13 +745,10 @@ def _augmented_head_phase(augment: Doubling, monkeypatch: pytest.MonkeyPatch, ca
     net = SplitModel(nn.Identity(), nn.Linear(4, 3))
     params = stacked_params(net, 2)
     head = ["head.weight", "head.bias"]
-    ctx = context_2(net, xs, ys, augment=augment)
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
-        got = ctx.sgd(params, head, 1)
-    assert caplog.records == []  # the run's executor line names the sub-path (executor.decide), not the context
-    batched = StackedPaths("batched matmul", head="fused relu mlp")  # an Identity body: no ReLU network
-    in_turn = StackedPaths("in turn", why="the augmentation cannot draw ahead")
-    assert ctx.sub_paths() == (batched if hasattr(augment, "draw") else in_turn)
+        got = context_2(net, xs, ys, augment=augment).sgd(params, head, 1)
+    in_turn = ["vectorized executor: the augmentation cannot draw ahead: clients run in turn"]
+    assert [r.getMessage() for r in caplog.records] == ([] if hasattr(augment, "draw") else in_turn)
 
     def loss(x: Tensor, y: Tensor, k: int) -> Callable[[Params], Tensor]:
         return lambda p: F.cross_entropy(2.0 * x @ p["head.weight"].T + p["head.bias"], y)

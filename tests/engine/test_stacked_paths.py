@@ -116,3 +116,22 @@ def test_a_context_steps_as_its_given_plan_says_with_the_same_numbers(monkeypatc
 
     for out in got.values():
         check_clients(out, params, xs, (loss, ys), list(params), 2)
+
+
+def test_a_context_that_plans_in_turn_says_why_once_unless_the_runs_line_did(caplog: pytest.LogCaptureFixture) -> None:
+    """A context built without the run's plan (a test's, the benchmark's) says why its clients run in turn, once per
+    network; on a network whose run already said its executor line (``notes.say_once``, key ``executor``) it says
+    nothing more: one line per run."""
+    from fl_lightning.engine.notes import say_once
+
+    xs, ys = data()
+    rmsprop = ClientOptimizer(batch_size=10, factory=functools.partial(torch.optim.RMSprop, lr=0.1))
+    said, quiet = SplitModel(nn.Identity(), nn.Linear(4, 3)), SplitModel(nn.Identity(), nn.Linear(4, 3))
+    with caplog.at_level("INFO", logger="fl_lightning"):
+        say_once(quiet, "executor", 20, "executor: stacked (sgd: in turn: …) because …")
+        for net in (said, said, quiet):
+            context_2(net, xs, ys, optimizer=rmsprop).sgd(stacked_params(net, 2), ["head.weight", "head.bias"], 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "executor: stacked (sgd: in turn: …) because …",
+        "vectorized executor: client optimizer RMSprop has no batched form: clients run in turn",
+    ]
