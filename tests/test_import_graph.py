@@ -226,6 +226,25 @@ def test_the_round_stays_readable_the_engine_module_under_450_lines() -> None:
     assert lines < 450, f"fl_lightning/engine/module.py has {lines} lines"
 
 
+#: files of ``fl_lightning/`` allowed over ``MAX_LINES`` for now, each with why (the test fails once one is not)
+LONG_FILES: dict[str, str] = {
+    "fl_lightning/cli.py": "the command line and its run-dir/resume planning (issue 41: the next to split by topic)",
+}
+MAX_LINES = 700
+
+
+@pytest.mark.skipif("MUTANT_UNDER_TEST" in os.environ, reason="mutmut's copies hold every mutant beside the original")
+def test_no_file_of_the_package_is_over_700_lines() -> None:
+    """Issue 41: every file of ``fl_lightning/`` holds one topic, in at most 700 lines (``wc -l`` counts newlines);
+    a file on ``LONG_FILES`` must still need its place there."""
+    files = sorted((ROOT / "fl_lightning").rglob("*.py"))
+    lines = {str(p.relative_to(ROOT)): p.read_bytes().count(b"\n") for p in files}
+    assert len(lines) > 50 and lines["fl_lightning/engine/stacked.py"] > 0
+    over = {name: n for name, n in lines.items() if n > MAX_LINES and name not in LONG_FILES}
+    assert over == {}, over
+    assert all(lines.get(name, 0) > MAX_LINES for name in LONG_FILES), {n: lines.get(n) for n in LONG_FILES}
+
+
 def test_no_import_goes_up_a_layer(graph: dict[str, set[str]]) -> None:
     assert layer_violations(graph) - KNOWN_EXCEPTIONS == set()
 

@@ -303,18 +303,21 @@ def shared_body_applies(module: FederatedRun, finetune: Tuning | None, clients: 
     )
 
 
-def stacked_scoring_applies(module: FederatedRun, finetune: Tuning | None, clients: int = CLIENTS_PER_STEP) -> bool:
+def stacked_scoring_applies(
+    module: FederatedRun, finetune: Tuning | None, clients: int = CLIENTS_PER_STEP, fed: FederatedData | None = None
+) -> bool:
     """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward when the
     executor choice stacks ``clients`` evaluating at once and nothing runs per client before the forward: no "+FT",
     evaluation-time adaptation only by a vectorizable algorithm (then on the clients stacked), the network's own
     forward as prediction, a classification task, no side branch and no recurrent layer (BatchNorm is refused by
-    ``choose_path``)."""
+    ``choose_path``). ``fed``: the evaluated data (default: the run's)."""
     kind, net = type(module.algorithm), module.net
+    fed = module.fed if fed is None else fed
     adapts = kind.adapt_for_evaluation is not Algorithm.adapt_for_evaluation
     return (
         finetune is None
-        and module.fed.num_classes is not None
-        and module.fed.side is None
+        and fed.num_classes is not None
+        and fed.side is None
         and getattr(net, "side", None) is None
         and not has_rnn(net)
         and (not adapts or declares_vectorizable(module.algorithm))
@@ -323,26 +326,33 @@ def stacked_scoring_applies(module: FederatedRun, finetune: Tuning | None, clien
     )
 
 
-def evaluation_path(module: FederatedRun, finetune: Tuning | None, clients: int) -> EvalPath:
-    """How ``clients`` evaluating at once score (fine-tuned first with ``finetune``): ``shared body`` (the global
-    body's features once, then every client's head: ``shared_body_applies``), ``stacked`` (every client's model in
-    one stacked forward: ``stacked_scoring_applies``) or ``loop`` (client by client with its context)."""
+def evaluation_path(
+    module: FederatedRun, finetune: Tuning | None, clients: int, fed: FederatedData | None = None
+) -> EvalPath:
+    """How ``clients`` of ``fed`` (default: the run's data) evaluating at once score (fine-tuned first with
+    ``finetune``): ``shared body`` (the global body's features once, then every client's head:
+    ``shared_body_applies``), ``stacked`` (every client's model in one stacked forward: ``stacked_scoring_applies``)
+    or ``loop`` (client by client with its context)."""
     if shared_body_applies(module, finetune, clients):
         return "shared body"
-    return "stacked" if stacked_scoring_applies(module, finetune, clients) else "loop"
+    return "stacked" if stacked_scoring_applies(module, finetune, clients, fed) else "loop"
 
 
-def evaluation_route(module: FederatedRun, finetune: Tuning | None, clients: int) -> EvalPath:
+def evaluation_route(
+    module: FederatedRun, finetune: Tuning | None, clients: int, fed: FederatedData | None = None
+) -> EvalPath:
     """The path of an evaluation of ``clients`` at once: the run's decided one (``decide``: the periodic
-    evaluation, and the run's "+FT"), else (before the run's first round, another fine-tuning: new clients', or
-    another ``model.executor`` than the decision's, as a test sets on a fitted module) ``evaluation_path`` now."""
+    evaluation and the run's "+FT", on the run's data), else (before the run's first round, another fine-tuning or
+    other data: new clients', or another ``model.executor`` than the decision's, as a test sets on a fitted module)
+    ``evaluation_path`` now."""
     decision = _DECIDED.get(module)
-    if decision is not None and decision.evaluation is not None and decision.asked == module.executor:
+    own = fed is None or fed is module.fed
+    if own and decision is not None and decision.evaluation is not None and decision.asked == module.executor:
         if finetune is None:
             return decision.evaluation
         if finetune is getattr(module, "finetune", None) and decision.finetune is not None:
             return decision.finetune
-    return evaluation_path(module, finetune, clients)
+    return evaluation_path(module, finetune, clients, fed)
 
 
 def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offsets: Sequence[int]) -> bool:

@@ -448,7 +448,7 @@ def test_evaluation_reads_the_runs_decided_path_and_decides_another_fine_tuning_
     executor.decide(module, 3)
     asked: list[object] = []
     real = executor.evaluation_path
-    monkeypatch.setattr(executor, "evaluation_path", lambda m, ft, n: (asked.append(ft), real(m, ft, n))[1])
+    monkeypatch.setattr(executor, "evaluation_path", lambda m, ft, n, fed: (asked.append(ft), real(m, ft, n, fed))[1])
     assert executor.evaluation_route(module, None, 1) == "shared body"  # the run's: not re-derived for 1 client
     assert executor.evaluation_route(module, tune, 7) == "shared body"
     assert asked == []
