@@ -2,7 +2,7 @@
 
 Every place that must agree on what a run is derives it from here instead of listing keys of its own:
 
-* the resume check (``fl_lightning.cli.check_same_run``): a resume is refused when its identity differs from the
+* the resume check (``fl_lightning.run_dir.check_same_run``): a resume is refused when its identity differs from the
   one in the run's ``config.yaml``;
 * the batching key of the run axis (``fl_lightning.experiment.run_axis.identity.batch_key``): runs share a batched
   job only when their identities are equal except in the keys the run axis declares it carries per run;

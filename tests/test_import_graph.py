@@ -31,8 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("experiments", "benchmarks"),  # the papers' reproductions and the benchmarks (outside the package)
     ("fl_lightning.experiment",),  # the runner of many runs, and the run axis that batches them
     ("fl_lightning.cli", "fl_lightning.callbacks", "fl_lightning.loggers", "fl_lightning.progress",
-     "fl_lightning.identity", "fl_lightning.sizes", "fl_lightning.config_checks", "fl_lightning.results",
-     "fl_lightning.wandb_files"),
+     "fl_lightning.identity", "fl_lightning.run_dir", "fl_lightning.sizes", "fl_lightning.config_checks",
+     "fl_lightning.results", "fl_lightning.wandb_files"),
     ("datamodules",),
     ("fl_lightning.engine", "fl_lightning.server_optimizers"),
     ("fl_lightning.algorithms",),
@@ -224,6 +224,23 @@ def test_the_round_stays_readable_the_engine_module_under_450_lines() -> None:
     the evaluation paths live beside it."""
     lines = (ROOT / "fl_lightning/engine/module.py").read_text().count("\n")
     assert lines < 450, f"fl_lightning/engine/module.py has {lines} lines"
+
+
+#: files of ``fl_lightning/`` allowed over ``MAX_LINES`` for now, each with why (the test fails once one is not)
+LONG_FILES: dict[str, str] = {}
+MAX_LINES = 700
+
+
+@pytest.mark.skipif("MUTANT_UNDER_TEST" in os.environ, reason="mutmut's copies hold every mutant beside the original")
+def test_no_file_of_the_package_is_over_700_lines() -> None:
+    """Issue 41: every file of ``fl_lightning/`` holds one topic, in at most 700 lines (``wc -l`` counts newlines);
+    a file on ``LONG_FILES`` must still need its place there."""
+    files = sorted((ROOT / "fl_lightning").rglob("*.py"))
+    lines = {str(p.relative_to(ROOT)): p.read_bytes().count(b"\n") for p in files}
+    assert len(lines) > 50 and lines["fl_lightning/engine/stacked.py"] > 0
+    over = {name: n for name, n in lines.items() if n > MAX_LINES and name not in LONG_FILES}
+    assert over == {}, over
+    assert all(lines.get(name, 0) > MAX_LINES for name in LONG_FILES), {n: lines.get(n) for n in LONG_FILES}
 
 
 def test_no_import_goes_up_a_layer(graph: dict[str, set[str]]) -> None:

@@ -27,18 +27,10 @@ from torch.func import functional_call
 from fl_lightning.algorithms.base import Algorithm
 from fl_lightning.client import Params, make_generator
 from fl_lightning.engine.client_data import FederatedData
-from fl_lightning.engine.executor import (
-    FederatedRun,
-    Workload,
-    choose_path,
-    client_context,
-    declares_vectorizable,
-    vector_context,
-)
+from fl_lightning.engine.executor import FederatedRun, client_context, evaluation_route, vector_context
 from fl_lightning.engine.rounds import CLIENTS_PER_STEP, ClientChunks, client_chunks, floyd_sample
-from fl_lightning.engine.sequential import has_batchnorm
 from fl_lightning.engine.stacked import FEATURE_CHUNK
-from fl_lightning.engine.stacked_nets import has_rnn, pad_rows, stack, stackable, stacked_forward
+from fl_lightning.engine.stacked_nets import pad_rows, stack, stackable, stacked_forward
 from fl_lightning.engine.state import ClientStateBank
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import PerClientScores, client_spread, principal_angle_distance
@@ -277,9 +269,10 @@ def evaluate_clients(
     glob = module.global_params()
     state_of = state_of or module.bank.get
     with torch.inference_mode(False), torch.enable_grad():
-        if shared_body_applies(module, finetune, len(clients)):
+        path = evaluation_route(module, finetune, len(clients), fed)  # the run's decided path (executor.decide)
+        if path == "shared body":
             _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split, fed)
-        elif stacked_scoring_applies(module, finetune, len(clients), fed):
+        elif path == "stacked":
             _score_stacked(module, clients, glob, state_of, scores, split, round_idx, fed)
         else:
             for c in clients:
@@ -398,58 +391,8 @@ def end_evaluations(module: Module, round_idx: int, split: str) -> dict[str, flo
     return out
 
 
-def evaluation_stacks(module: Module, clients: int) -> bool:
-    """Whether the executor choice (``executor.choose_path``) stacks ``clients`` evaluating at once."""
-    device = next((p.device for p in module.net.parameters()), torch.device("cpu"))
-    workload = Workload(clients, evaluation=True)
-    return choose_path(module.algorithm, module.net, device, workload, module.executor).stacked
-
-
-def shared_body_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
-    """The fast path applies when the executor choice stacks ``clients`` evaluating at once
-    (``executor.choose_path``) and every client's model is (global body) + (its own head), and the body has no
-    BatchNorm (whose training-mode statistics depend on how samples are batched, so "+FT" runs client by client)."""
-    kind = type(module.algorithm)
-    net = module.net
-    return (
-        evaluation_stacks(module, clients)
-        and isinstance(getattr(net, "body", None), nn.Module)
-        and getattr(net, "side", None) is None
-        and not has_batchnorm(net)
-        and all(p.startswith("head.") for p in module.algorithm.personal)
-        and (finetune is None or all(p.startswith("head.") for p in finetune.prefixes))
-        and kind.client_model is Algorithm.client_model
-        and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
-        and kind.predict is Algorithm.predict
-        and kind.finetune is Algorithm.finetune
-    )
-
-
 #: the stacked scoring pads every client of a group to the group's largest split: at most this many rows at once
 STACKED_ROWS = 8192
-
-
-def stacked_scoring_applies(
-    module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP, fed: FederatedData | None = None
-) -> bool:
-    """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward
-    (``_score_stacked``) when the executor choice stacks ``clients`` evaluating at once and nothing runs per client
-    before the forward: no "+FT", evaluation-time adaptation only by a vectorizable algorithm (then on the clients
-    stacked), the network's own forward as prediction, a classification task, no side branch and no recurrent layer
-    (BatchNorm is refused by ``choose_path``). ``fed``: the evaluated data (default: the run's)."""
-    kind, net = type(module.algorithm), module.net
-    fed = module.fed if fed is None else fed
-    adapts = kind.adapt_for_evaluation is not Algorithm.adapt_for_evaluation
-    return (
-        finetune is None
-        and fed.num_classes is not None
-        and fed.side is None
-        and getattr(net, "side", None) is None
-        and not has_rnn(net)
-        and (not adapts or declares_vectorizable(module.algorithm))
-        and kind.predict is Algorithm.predict
-        and evaluation_stacks(module, clients)
-    )
 
 
 def row_groups(sizes: list[int], cap: int) -> list[list[int]]:

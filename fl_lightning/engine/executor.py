@@ -7,11 +7,16 @@ once, with which client optimiser and augmentation), under ``model.executor``:
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
 * ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
-  else the loop, said once at INFO ("executor: stacked (reason)" / "executor: sequential (reason)"). Where the
-  stacked path would only run its clients in turn (a client optimiser without a batched form, recurrent layers,
-  an augmentation that cannot draw ahead) ``auto`` runs the loop.
+  else the loop. Where the stacked path would only run its clients in turn (a client optimiser without a batched
+  form, recurrent layers, an augmentation that cannot draw ahead) ``auto`` runs the loop.
 
-Training (``run_clients``), evaluation and "+FT" (``fl_lightning.engine.evaluation``) and the run axis
+``decide`` makes the run's decision once: the path, why, and its sub-paths: how the stacked path trains
+(``fl_lightning.engine.stacked_paths.StackedPaths``: ``fused relu mlp``, ``conv in turn``, …, which
+``VectorizedContext`` reads instead of choosing) and how evaluation and "+FT" score (``evaluation_path``: ``shared
+body``, ``stacked`` or ``loop``, which ``fl_lightning.engine.evaluation`` reads). One line per run names it all
+(``Decision.describe``), e.g. ``executor: stacked (sgd: fused relu mlp; eval: stacked) because FedAvg is
+vectorizable, 4 clients at a time on the cpu``, and ``summary.json``'s ``ran`` records the same
+(``Decision.record``). Training (``run_clients``), evaluation and the run axis
 (``fl_lightning.experiment.run_axis.cohorts``) all ask ``choose_path``. The functions here take the
 ``FederatedModule`` (``FederatedRun`` names what they read of it) and never import it.
 """
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -33,10 +38,11 @@ from fl_lightning.engine.batched_optim import batched_rule
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.optimizers import RoundOptimizers
-from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.rounds import CLIENTS_PER_STEP, make_generator
 from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batchnorm
 from fl_lightning.engine.stacked import VectorizedContext
 from fl_lightning.engine.stacked_nets import has_rnn, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked_paths import StackedPaths, plan_stacked
 
 __all__ = [
     "Decision",
@@ -55,6 +61,8 @@ __all__ = [
 log = logging.getLogger("fl_lightning")
 
 ExecutorName = Literal["auto", "sequential", "vectorized"]
+#: how an evaluation scores its clients (``evaluation_path``)
+EvalPath = Literal["shared body", "stacked", "loop"]
 
 #: ``auto`` on these devices runs the loop below this many clients at once. Measured on the 2-core development
 #: CPU under load from other jobs (one thread; ``time.process_time`` per round of ``run_clients``, median of 8
@@ -95,15 +103,46 @@ class Workload:
 @dataclass(frozen=True)
 class Decision:
     """Which path runs (``sequential`` or ``stacked``) and why; ``fallback``: ``vectorized`` was asked and
-    cannot run."""
+    cannot run. ``decide`` adds the run's sub-paths (not compared: they follow from the run): ``paths``, how the
+    stacked path trains (``stacked_paths.plan_stacked``; None on the loop), ``evaluation`` and ``finetune``, how the
+    periodic evaluation and the run's "+FT" score (``evaluation_path``; None: no "+FT")."""
 
     path: Literal["sequential", "stacked"]
     reason: str
     fallback: bool = False
+    paths: StackedPaths | None = field(default=None, compare=False)
+    evaluation: EvalPath | None = field(default=None, compare=False)
+    finetune: EvalPath | None = field(default=None, compare=False)
+    asked: ExecutorName | None = field(default=None, compare=False)  #: the ``model.executor`` it was made under
 
     @property
     def stacked(self) -> bool:
         return self.path == "stacked"
+
+    def sub_paths(self) -> str:
+        """``sgd: …; eval: …; +FT: …``, the parts ``decide`` filled in."""
+        parts = [] if self.paths is None else [f"sgd: {self.paths.describe()}"]
+        parts += [] if self.evaluation is None else [f"eval: {self.evaluation}"]
+        parts += [] if self.finetune is None else [f"+FT: {self.finetune}"]
+        return "; ".join(parts)
+
+    def describe(self) -> str:
+        """The run's executor line: ``executor: stacked (sgd: fused relu mlp; eval: stacked) because …``, or
+        the fallback of a ``vectorized`` that cannot run."""
+        if self.fallback:
+            return f"executor 'vectorized' falls back to 'sequential': {self.reason}"
+        subs = self.sub_paths()
+        return f"executor: {self.path}{f' ({subs})' if subs else ''} because {self.reason}"
+
+    def record(self) -> dict[str, Any]:
+        """What ``summary.json``'s ``ran`` carries of the decision (``summary.what_ran``)."""
+        return {
+            "executor": self.path,
+            "reason": self.reason,
+            "sgd": None if self.paths is None else self.paths.describe(),
+            "eval": self.evaluation,
+            "finetune": self.finetune,
+        }
 
 
 def declares_vectorizable(algorithm: Algorithm) -> bool:
@@ -174,31 +213,151 @@ _DECIDED: weakref.WeakKeyDictionary[Any, Decision] = weakref.WeakKeyDictionary()
 
 
 def decide(module: FederatedRun, clients: int) -> Decision:
-    """The training path of ``module``'s rounds (``clients`` run at once), said once per run: INFO, or the
-    WARNING of a ``vectorized`` that falls back; with the run's warnings about its clients' minibatches (on every
-    path alike)."""
+    """The training path of ``module``'s rounds (``clients`` run at once) with its sub-paths (``with_sub_paths``),
+    said once per run in one line (``Decision.describe``): INFO, or WARNING where the stacked path runs its clients in
+    turn for a reason or a ``vectorized`` falls back; with the run's warnings about its clients' minibatches (on every
+    path alike). Later calls return the run's first decision while the path stays the same."""
     fed = module.fed
     augment = None if fed is None else fed.augment
     optimizer = client_settings(module)
     workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
-    if module in _DECIDED:
+    first = _DECIDED.get(module)
+    if first is not None and first == decision:
+        return first
+    decision = with_sub_paths(module, decision, optimizer)
+    if first is not None:
         return decision
     _DECIDED[module] = decision
-    if decision.fallback:
-        say_once(module.net, "executor", logging.WARNING, "executor 'vectorized' falls back to 'sequential': %s",
-                 decision.reason)  # fmt: skip
-    else:
-        say_once(module.net, "executor", logging.INFO, "executor: %s (%s)", decision.path, decision.reason)
+    warn = decision.fallback or (decision.paths is not None and decision.paths.why is not None)
+    say_once(module.net, "executor", logging.WARNING if warn else logging.INFO, "%s", decision.describe())
     if fed is not None and partial_batchnorm_batches(module.net, optimizer, fed.train.offsets):  # once per run
         say_once(module.net, "bn1d", logging.WARNING, "BatchNorm1d network: a client's last minibatch of 1 sample is "
                  "skipped (BatchNorm cannot train on one sample); model.drop_last: true drops every partial minibatch")
     return decision
 
 
+def with_sub_paths(module: FederatedRun, decision: Decision, optimizer: ClientOptimizer) -> Decision:
+    """``decision`` with the run's sub-paths: how the stacked path trains (``plan_stacked``), how the periodic
+    evaluation and the run's "+FT" score (``evaluation_path``, for this rank's share of an evaluation step)."""
+    fed = module.fed
+    if fed is None:
+        return decision
+    paths = None
+    if decision.stacked:
+        paths = plan_stacked(module.net, module.device, optimizer, fed.augment, fed.num_classes is not None,
+                             fed.side is not None)  # fmt: skip
+    at_once = planned_evaluation_clients(module)
+    finetune = getattr(module, "finetune", None)
+    return replace(
+        decision,
+        asked=module.executor,
+        paths=paths,
+        evaluation=evaluation_path(module, None, at_once),
+        finetune=None if finetune is None else evaluation_path(module, finetune, at_once),
+    )
+
+
+def planned_evaluation_clients(module: FederatedRun) -> int:
+    """This rank's share of the clients an evaluation step scores at once: the evaluation sample
+    (``model.eval_clients``) or every client, in chunks of ``CLIENTS_PER_STEP``."""
+    trainer = getattr(module, "_trainer", None)
+    world = max(int(getattr(trainer, "world_size", 1)), 1)
+    n = module.fed.num_clients
+    sample = getattr(module, "eval_clients", None)
+    n = n if not isinstance(sample, int) else min(n, sample)
+    return max(min(CLIENTS_PER_STEP, -(-n // world)), 1)
+
+
 def decided(module: FederatedRun) -> Decision | None:
     """The training path ``decide`` chose for ``module``, if its clients have trained."""
     return _DECIDED.get(module)
+
+
+# ---- evaluation's path ------------------------------------------------------------------------------------------
+class Tuning(Protocol):
+    """What the evaluation paths read of a ``FineTune``."""
+
+    prefixes: Sequence[str]
+
+
+def evaluation_stacks(module: FederatedRun, clients: int) -> bool:
+    """Whether the executor choice (``choose_path``) stacks ``clients`` evaluating at once."""
+    device = next((p.device for p in module.net.parameters()), torch.device("cpu"))
+    workload = Workload(clients, evaluation=True)
+    return choose_path(module.algorithm, module.net, device, workload, module.executor).stacked
+
+
+def shared_body_applies(module: FederatedRun, finetune: Tuning | None, clients: int = CLIENTS_PER_STEP) -> bool:
+    """The fast path applies when the executor choice stacks ``clients`` evaluating at once (``choose_path``) and
+    every client's model is (global body) + (its own head), and the body has no BatchNorm (whose training-mode
+    statistics depend on how samples are batched, so "+FT" runs client by client)."""
+    kind = type(module.algorithm)
+    net = module.net
+    return (
+        evaluation_stacks(module, clients)
+        and isinstance(getattr(net, "body", None), nn.Module)
+        and getattr(net, "side", None) is None
+        and not has_batchnorm(net)
+        and all(p.startswith("head.") for p in module.algorithm.personal)
+        and (finetune is None or all(p.startswith("head.") for p in finetune.prefixes))
+        and kind.client_model is Algorithm.client_model
+        and kind.adapt_for_evaluation is Algorithm.adapt_for_evaluation
+        and kind.predict is Algorithm.predict
+        and kind.finetune is Algorithm.finetune
+    )
+
+
+def stacked_scoring_applies(
+    module: FederatedRun, finetune: Tuning | None, clients: int = CLIENTS_PER_STEP, fed: FederatedData | None = None
+) -> bool:
+    """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward when the
+    executor choice stacks ``clients`` evaluating at once and nothing runs per client before the forward: no "+FT",
+    evaluation-time adaptation only by a vectorizable algorithm (then on the clients stacked), the network's own
+    forward as prediction, a classification task, no side branch and no recurrent layer (BatchNorm is refused by
+    ``choose_path``). ``fed``: the evaluated data (default: the run's)."""
+    kind, net = type(module.algorithm), module.net
+    fed = module.fed if fed is None else fed
+    adapts = kind.adapt_for_evaluation is not Algorithm.adapt_for_evaluation
+    return (
+        finetune is None
+        and fed.num_classes is not None
+        and fed.side is None
+        and getattr(net, "side", None) is None
+        and not has_rnn(net)
+        and (not adapts or declares_vectorizable(module.algorithm))
+        and kind.predict is Algorithm.predict
+        and evaluation_stacks(module, clients)
+    )
+
+
+def evaluation_path(
+    module: FederatedRun, finetune: Tuning | None, clients: int, fed: FederatedData | None = None
+) -> EvalPath:
+    """How ``clients`` of ``fed`` (default: the run's data) evaluating at once score (fine-tuned first with
+    ``finetune``): ``shared body`` (the global body's features once, then every client's head:
+    ``shared_body_applies``), ``stacked`` (every client's model in one stacked forward: ``stacked_scoring_applies``)
+    or ``loop`` (client by client with its context)."""
+    if shared_body_applies(module, finetune, clients):
+        return "shared body"
+    return "stacked" if stacked_scoring_applies(module, finetune, clients, fed) else "loop"
+
+
+def evaluation_route(
+    module: FederatedRun, finetune: Tuning | None, clients: int, fed: FederatedData | None = None
+) -> EvalPath:
+    """The path of an evaluation of ``clients`` at once: the run's decided one (``decide``: the periodic
+    evaluation and the run's "+FT", on the run's data), else (before the run's first round, another fine-tuning or
+    other data: new clients', or another ``model.executor`` than the decision's, as a test sets on a fitted module)
+    ``evaluation_path`` now."""
+    decision = _DECIDED.get(module)
+    own = fed is None or fed is module.fed
+    if own and decision is not None and decision.evaluation is not None and decision.asked == module.executor:
+        if finetune is None:
+            return decision.evaluation
+        if finetune is getattr(module, "finetune", None) and decision.finetune is not None:
+            return decision.finetune
+    return evaluation_path(module, finetune, clients, fed)
 
 
 def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offsets: Sequence[int]) -> bool:
@@ -245,14 +404,16 @@ def vector_context(
     fed: FederatedData | None = None,
 ) -> VectorizedContext:
     """``clients`` stacked in one context on their training data in ``fed`` (default: the run's data; the stacked
-    path's ``client_context``)."""
+    path's ``client_context``), on the run's decided sub-paths (``decide``; a context of a run not decided yet plans
+    its own)."""
+    decision = _DECIDED.get(module)
     fed = module.fed if fed is None else fed
     pairs = [fed.train.client(c) for c in clients]
     return VectorizedContext(
         module.net, list(clients), [x for x, _ in pairs], [y for _, y in pairs],
         None if fed.side is None else [fed.side[c] for c in clients], client_settings(module),
         per_sample_loss_for(fed.num_classes), [make_generator(fed.seed, tag, round_idx, c) for c in clients],
-        fed.augment, round_idx, fed.seed, budgets,
+        fed.augment, round_idx, fed.seed, budgets, paths=None if decision is None else decision.paths,
     )  # fmt: skip
 
 

@@ -20,26 +20,19 @@ runs together), and takes steps of the client optimiser, written out for stacked
 
 No host syncs inside a phase: the draws of all its epochs are made on the CPU generators before the first step and
 moved to the device in ONE copy (``PhasePlan``); which client steps when is known on the host; losses are summed
-on the device. How each step is computed:
+on the device. How the steps are computed is the run's ``StackedPaths`` (``fl_lightning.engine.stacked_paths``,
+decided once by ``executor.decide`` and named in the run's executor line), read by ``sgd``:
 
-* a phase that trains only the head (no side branch, no BatchNorm, no custom objective) on a frozen body runs the
-  body on the phase's batches in a few large no-grad passes: once per client and round without augmentation, or per
-  block of steps on the augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole
-  cohort when the clients share the body (FedRep's head phase, "+FT") — then trains the heads on those features.
-  ``sequential_forward`` runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in
-  place (the same values);
-* networks made of ``Linear`` layers and elementwise activations (MLPs, linear heads) step with batched
-  matrix products (``stacked_forward``) and ordinary autograd, without ``vmap``;
-* other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators (functorch
-  turns a convolution with per-client weights into one grouped convolution);
-* convolutional phases on the CPU client by client on the phase plan's batches (``CONV_CLIENTS``: plain autograd
-  in ``channels_last`` beat both ``vmap`` and grouped convolutions there, ``make bench`` measures it), each client
-  with ``sequential_forward`` (or the phase's ``Objective``), its own BatchNorm buffers and torch's fused SGD, no
-  context or batch generator per client;
-* client by client with ``ClientContext`` (on the same generators, so the same numbers), logged once: recurrent
-  networks (LSTM: no batching rule for per-client weights), client optimisers without a batched form,
-  augmentations that cannot draw ahead, and CPU convolutional phases with a custom step direction, side
-  information or kept optimiser state.
+* a phase that trains only the head on a frozen body (``StackedPaths.head``) runs the body on the phase's batches in
+  a few large no-grad passes: once per client and round without augmentation, or per block of steps on the
+  augmented batches (in plan order, augmented chunk by chunk), as ONE batch for the whole cohort when the clients
+  share the body (FedRep's head phase, "+FT") — then trains the heads on those features. ``sequential_forward``
+  runs an ``nn.Sequential`` body with each ``ReLU`` that precedes a max-pool after it, in place (the same values);
+* ``fused relu mlp`` and ``batched matmul``: networks made of ``Linear`` layers and elementwise activations step
+  with batched matrix products (``stacked_forward``) and ordinary autograd, or a ReLU network's gradient by hand;
+* ``vmap``: other networks are ``vmap``-ed over clients (``torch.func``), convolutions included on accelerators
+  (functorch turns a convolution with per-client weights into one grouped convolution);
+* ``conv in turn`` and ``in turn``: the clients one after another (``fl_lightning.engine.stacked_in_turn``).
 """
 
 from __future__ import annotations
@@ -62,7 +55,6 @@ from fl_lightning.client import (
     Params,
     Penalty,
     PenaltyLike,
-    factory_name,
     select,
     state_name,
 )
@@ -71,36 +63,31 @@ from fl_lightning.engine.compiled import compiled_step
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.phases import Phase, PhasePlan, masked_mean, plan_phase
 from fl_lightning.engine.sequential import (
-    ClientContext,
     FunctionalBatchNorm,
-    class_sum_step,
     draws_ahead,
     empty_class_sums,
     has_batchnorm,
     penalty_gradient,
 )
+from fl_lightning.engine.stacked_in_turn import ClientsInTurn
 from fl_lightning.engine.stacked_nets import (
     Layer,
     channels_last,
     has_conv,
-    has_rnn,
     own_stacked_forward,
     pad_rows,
     per_sample_cross_entropy,
     relu_layers,
     relu_net_gradient,
     sequential_forward,
-    stack,
-    stackable,
     stacked_forward,
     unstack,
 )
+from fl_lightning.engine.stacked_paths import CONV_CLIENTS, SgdPath, StackedPaths, conv_clients, plan_stacked
+
+__all__ = ["CONV_CLIENTS", "FEATURE_CHUNK", "VectorizedContext", "conv_clients", "feature_chunk"]
 
 FEATURE_CHUNK = 100  # the frozen-body feature pass is fastest in chunks of about 100 samples on CPU
-#: How convolutional phases run over per-client weights, by device type: ``loop`` (client by client, plain autograd
-#: in channels_last) or ``vmap`` (one grouped convolution for the cohort). ``loop`` won on the CPU (``make bench``,
-#: workload ``conv_clients``); other devices use ``vmap`` unless set here (the benchmark reports both).
-CONV_CLIENTS: dict[str, str] = {"cpu": "loop"}
 
 
 def feature_chunk(device: torch.device) -> int:
@@ -108,12 +95,10 @@ def feature_chunk(device: torch.device) -> int:
     return FEATURE_CHUNK if device.type == "cpu" else 8192
 
 
-def conv_clients(device: torch.device) -> str:
-    return CONV_CLIENTS.get(device.type, "vmap")
-
-
-class VectorizedContext:
-    """``K`` clients' data, RNGs and local optimiser; parameters are stacked ``[K, ...]``."""
+class VectorizedContext(ClientsInTurn):
+    """``K`` clients' data, RNGs and local optimiser; parameters are stacked ``[K, ...]``. ``paths``: the run's
+    sub-paths (``executor.decide``); without them the context plans its own at its first phase
+    (``cache_features``, ``loop_over_clients``: the plan's inputs, which a test or benchmark may set before)."""
 
     def __init__(
         self,
@@ -131,6 +116,7 @@ class VectorizedContext:
         step_budgets: Sequence[float],
         cache_features: bool = True,
         loop_over_clients: bool | None = None,
+        paths: StackedPaths | None = None,
     ) -> None:
         self.net, self.clients, self.xs, self.ys = net, list(clients), list(xs), list(ys)
         self.sides = None if sides is None else torch.stack(list(sides))
@@ -141,6 +127,7 @@ class VectorizedContext:
         if loop_over_clients is None:
             loop_over_clients = has_conv(net) and conv_clients(self.device) == "loop"
         self.loop_over_clients = loop_over_clients
+        self.paths = paths
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
         self.buffer_names = frozenset(n for n, _ in net.named_buffers())
         self.sizes = [x.shape[0] for x in xs]  # on the host: nothing is read back from the device
@@ -263,21 +250,6 @@ class VectorizedContext:
         return dict(grads)
 
     # ---- features of a frozen body --------------------------------------------------------------------------
-    def _head_only(self, trainable: Sequence[str], gradient: Gradient | None, objective: Objective | None) -> bool:
-        """Whether the phase trains only the head on the features of a frozen body computed ahead (not with a custom
-        step or objective, nor through BatchNorm layers, whose train-mode features depend on the batch)."""
-        return (
-            self.cache_features
-            and gradient is None
-            and objective is None
-            and not has_batchnorm(self.net)
-            and self.sides is None
-            and getattr(self.net, "side", None) is None
-            and isinstance(getattr(self.net, "body", None), nn.Module)
-            and isinstance(getattr(self.net, "head", None), nn.Module)
-            and all(n.startswith("head.") for n in trainable)
-        )
-
     @staticmethod
     def _body_of(params: Params) -> tuple[Params, bool]:
         """The body's parameters (names without ``body.``) and whether all clients share them (stride-0 views
@@ -342,35 +314,41 @@ class VectorizedContext:
         if penalty is not None and not isinstance(penalty, Penalty):
             penalty = Penalty(lambda p, _, fn=penalty: fn(p))
         lr = self.optimizer.lr if lr is None else lr
-        rule = batched_rule(self.optimizer)
         trainable = list(trainable)
         bs = batch_size or self.optimizer.batch_size
         min_batch = self.optimizer.min_batch(bs, self.net) if min_batch is None else min_batch  # drop_last
         phase = Phase(trainable, epochs, penalty, lr, max_steps, gradient, bs, min_batch, objective)
-        if rule is None:
-            name = factory_name(self.optimizer.factory)
-            say_once(self.net, name, logging.WARNING,
-                     "vectorized executor: client optimizer %s has no batched form: clients run in turn", name)
+        paths = self.sub_paths()  # the run's (executor.decide), or this context's own plan
+        # what stays with the phase: a custom step or objective trains the whole network's way
+        head_only = paths.head is not None and gradient is None and objective is None and all(
+            n.startswith("head.") for n in trainable)  # fmt: skip
+        if not head_only and paths.sgd == "in turn":
             return self._sgd_client_by_client(out, phase)
-        if self.augment is not None and not draws_ahead(self.augment):
-            say_once(self.net, "augment", logging.WARNING,
-                     "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
-            return self._sgd_client_by_client(out, phase)
-        head_only = self._head_only(trainable, gradient, objective)
         custom = gradient is not None or objective is not None or self.sides is not None
         if not head_only and custom and own_stacked_forward(self.net) is not None:
             say_once(self.net, "own_stacked", logging.WARNING,  # its stacked forward has no per-client vmap form
                      "vectorized executor: a custom step on %s: clients run in turn", type(self.net).__name__)
             return self._sgd_client_by_client(out, phase)
-        if not head_only and has_rnn(self.net):
-            say_once(self.net, "rnn", logging.WARNING,
-                     "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
-            return self._sgd_client_by_client(out, phase)
-        if not head_only and self.loop_over_clients:
+        if not head_only and paths.sgd == "conv in turn":
             if gradient is None and self.sides is None and self.optimizer_state is None:
                 return self._sgd_in_turn(out, phase)
             return self._sgd_client_by_client(out, phase)
-        return self._sgd_batched(rule, head_only, out, phase)
+        form = paths.head if head_only else paths.sgd
+        return self._sgd_batched(batched_rule(self.optimizer), head_only, form, out, phase)
+
+    def sub_paths(self) -> StackedPaths:
+        """The run's ``StackedPaths`` as given (``executor.decide``, whose line names them), else planned once from
+        this context; a plan that runs the clients in turn for a reason says why, once per network, unless the
+        run's executor line has (``notes.say_once``, key ``executor``)."""
+        if self.paths is None:
+            self.paths = plan_stacked(
+                self.net, self.device, self.optimizer, self.augment, self._per_sample is per_sample_cross_entropy,
+                self.sides is not None, self.cache_features, self.loop_over_clients,
+            )  # fmt: skip
+            if self.paths.why is not None:
+                say_once(self.net, "executor", logging.WARNING, "vectorized executor: %s: clients run in turn",
+                         self.paths.why)  # fmt: skip
+        return self.paths
 
     def _caps(self, max_steps: MaxSteps) -> int | None | list[int]:
         """Each client's step cap (a function of its size and budget), or the one cap of all."""
@@ -386,7 +364,9 @@ class VectorizedContext:
             epochs, bs, min_batch, self._caps(max_steps), self.device,
         )  # fmt: skip
 
-    def _sgd_batched(self, rule: BatchedRule, head_only: bool, out: Params, phase: Phase) -> Params:
+    def _sgd_batched(self, rule: BatchedRule, head_only: bool, form: SgdPath, out: Params, phase: Phase) -> Params:
+        """The phase's steps for every client at once, in ``form`` (``StackedPaths``: the network's, or the head's
+        on the frozen body's features computed ahead when ``head_only``)."""
         plan = self._plan(phase.epochs, phase.bs, phase.min_batch, phase.max_steps)
         self.steps_taken = plan.steps
         if plan.num_steps == 0:
@@ -413,12 +393,11 @@ class VectorizedContext:
                 return x
 
         batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) and not head_only else None
-        stacked = phase.gradient is None and phase.objective is None and self.sides is None and stackable(module)
+        stacked = phase.gradient is None and phase.objective is None and form != "vmap"
         step = None if stacked else compiled_step(self._vmapped_step(module, names, phase, batchnorm), self.net)
         stacked_step = compiled_step(self._stacked_step, self.net)  # model.compile (engine.compiled), else eager
         # a ReLU network with the cross-entropy and no penalty to differentiate: its gradient by hand
-        by_hand = stacked and self._per_sample is per_sample_cross_entropy and (
-            penalty is None or penalty.gradient is not None)  # fmt: skip
+        by_hand = stacked and form == "fused relu mlp" and (penalty is None or penalty.gradient is not None)
         layers = relu_layers(module) if by_hand else None
 
         train = {n: out[n] for n in phase.trainable}
@@ -645,122 +624,3 @@ class VectorizedContext:
             return vmap(client_step, in_dims=dims)(p, fz, x, y, m, sides, pd, od)
 
         return step
-
-    def _sgd_in_turn(self, out: Params, phase: Phase) -> Params:
-        """Client by client with plain autograd (``CONV_CLIENTS``: the CPU's convolutional phases):
-        ``ClientContext.sgd`` on the phase plan's batches (the same draws), the client optimiser as ``torch.optim``
-        builds it (the default SGD fused), weights and batches in ``channels_last``, ``sequential_forward`` (or the
-        phase's ``Objective``), without a context or a batch generator per client. Each client's buffers are its
-        own copies (BatchNorm updates them in place, as in the loop)."""
-        plan = self._plan(phase.epochs, phase.bs, phase.min_batch, phase.max_steps)
-        data_x, data_y = self.data
-        trainable, penalty, objective = phase.trainable, phase.penalty, phase.objective
-        buffers = [n for n in out if n not in trainable and n in self.buffer_names]
-        trained: dict[str, list[Tensor]] = {n: [] for n in [*trainable, *buffers]}
-        losses, collected = [], []
-        for k in range(self.num_clients):
-            params = {n: channels_last(v[k]) for n, v in out.items()}
-            params.update({n: out[n][k].clone() for n in buffers})
-            leaves = {n: channels_last(out[n][k].clone()).requires_grad_(True) for n in trainable}
-            params.update(leaves)
-            opt = self.optimizer.build(leaves, phase.lr, fused=self.device.type == "cpu")
-            pdata = None if penalty is None else unstack(penalty.data, k)
-            odata = None if objective is None else unstack(objective.data, k)
-            loss_sum = torch.zeros((), device=self.device)
-            seen = None
-            for s, length in enumerate(plan.lengths[k]):
-                rows = plan.rows[s, k, :length]
-                x = data_x[rows]
-                if plan.draws is not None:
-                    x = self.augment.apply(x, plan.draws[s, k, :length])
-                opt.zero_grad(set_to_none=True)
-                logged = None
-                if objective is None:
-                    loss = self.per_sample_loss(sequential_forward(self.net, params, channels_last(x)), data_y[rows])
-                    loss = loss.mean()
-                else:
-                    per, per_logged, *values = objective.losses(params, channels_last(x), data_y[rows], odata)
-                    loss, logged = per.mean(), None if per_logged is per else per_logged.mean()
-                    if objective.collect is not None and s >= plan.host_last_epoch[k]:
-                        if seen is None:
-                            seen = empty_class_sums(objective.collect, self.device, values[0].dtype)
-                        class_sum_step(seen, values[0], data_y[rows])
-                loss = ClientContext._backward(loss, None if penalty is None else Penalty(
-                    penalty.fn, pdata, penalty.gradient), params, leaves)  # fmt: skip
-                opt.step()
-                loss_sum = loss_sum + (loss if logged is None else logged).detach()
-            losses.append(loss_sum / max(plan.host_steps[k], 1))
-            if seen is not None:
-                collected.append(seen)
-            for n in trained:
-                trained[n].append((leaves if n in leaves else params)[n].detach())
-        self.train_loss = torch.stack(losses)
-        self.steps_taken = plan.steps
-        if objective is not None and objective.collect is not None:
-            empty = empty_class_sums(objective.collect, self.device)
-            seen_k = iter(collected)
-            rows = [next(seen_k) if plan.host_steps[k] else empty for k in range(self.num_clients)]
-            self.class_sums_seen = (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
-        out.update({n: torch.stack(v).contiguous() for n, v in trained.items()})
-        return out
-
-    def _sgd_client_by_client(self, params: Params, phase: Phase) -> Params:
-        """Each client in turn with ``ClientContext.sgd`` (the reference, on the same generators: the same
-        batches), conv inputs in ``channels_last``; no reads from the device. The phase's functions, written against
-        this context, see each client's side vector."""
-        results, losses, steps, kept, seen = [], [], [], [], []
-        penalty, objective, gradient = phase.penalty, phase.objective, phase.gradient
-        for k, client in enumerate(self.clients):
-            ctx = ClientContext(
-                self.net,
-                client,
-                self.xs[k],
-                self.ys[k],
-                None if self.sides is None else self.sides[k],
-                self.optimizer,
-                lambda out, y: self.per_sample_loss(out, y).mean(),
-                self.generators[k],
-                self.augment,
-                self.round,
-                self.seed,
-                self.step_budgets[k],
-                channels_last=True,
-            )
-            ctx.optimizer_state = None if self.optimizer_state is None else unstack(self.optimizer_state, k)
-            mine = None if penalty is None else Penalty(penalty.fn, unstack(penalty.data, k), penalty.gradient)
-            own = None
-            if objective is not None:
-                own = Objective(self._as_client(objective.fn, ctx), unstack(objective.data, k), objective.collect)
-            self._side = ctx.side  # for functions called outside the phase's steps
-            results.append(
-                ctx.sgd(
-                    unstack(params, k), phase.trainable, phase.epochs, mine, phase.lr, phase.max_steps,
-                    gradient=None if gradient is None else self._as_client(gradient, ctx),
-                    batch_size=phase.bs, min_batch=phase.min_batch, objective=own,
-                )
-            )  # fmt: skip
-            self._side = None
-            losses.append(torch.as_tensor(ctx.train_loss, device=self.device))
-            steps.append(ctx.steps_taken)
-            kept.append(ctx.optimizer_state)
-            seen.append(ctx.class_sums_seen)
-        self.train_loss = torch.stack(losses).to(self.device)
-        self.steps_taken = torch.stack(steps).to(self.device)
-        if self.optimizer_state is not None:
-            self.optimizer_state = stack(kept)
-        if objective is not None and objective.collect is not None:
-            self.class_sums_seen = (torch.stack([t[0] for t in seen]), torch.stack([t[1] for t in seen]))
-        return {n: v.contiguous() for n, v in stack(results).items()}
-
-    def _as_client(self, fn: Callable, ctx: ClientContext) -> Callable:
-        """A function written against this context (``self.batch_loss``, ``self.side_for``) run for one client's
-        context: this context's side vector and BatchNorm handling are that client's while it runs."""
-
-        def one(*args: object) -> object:
-            self._side, self._batchnorm = ctx.side, ctx._batchnorm  # BatchNorm as that context runs it
-            try:
-                return fn(*args)
-            finally:
-                self._side, self._batchnorm = None, None
-
-        return one

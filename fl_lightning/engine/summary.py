@@ -93,12 +93,13 @@ def run_summary(module: FinishedRun) -> dict[str, Any]:
 
 
 def what_ran(module: FinishedRun) -> dict[str, Any]:
-    """The path that trained the run's clients (``executor.decide``: ``stacked`` or ``sequential``, and why) and
-    the batched job it shared (its runs, and those whose clients trained in one call with its own), or ``None``
-    for a run alone: ``summary.json``'s and the W&B config's ``ran``."""
+    """The path that trained the run's clients (``executor.decide``: ``stacked`` or ``sequential``, why, and its
+    sub-paths: ``sgd``, ``eval``, ``finetune``, as the run's executor line names them) and the batched job it
+    shared (its runs, and those whose clients trained in one call with its own), or ``None`` for a run alone:
+    ``summary.json``'s and the W&B config's ``ran``."""
     decision = executor.decided(module)
+    nothing = {"executor": None, "reason": None, "sgd": None, "eval": None, "finetune": None}
     return {
-        "executor": None if decision is None else decision.path,
-        "reason": None if decision is None else decision.reason,
+        **(nothing if decision is None else decision.record()),
         "batch": None if module.run_axis is None else module.run_axis.describe(module),
     }

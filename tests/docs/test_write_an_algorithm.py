@@ -17,6 +17,9 @@ from fl_lightning.cli import train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "write_an_algorithm.md"
+#: the run's executor line (``executor.Decision.describe``), which the page quotes
+LINE = ("executor: stacked (sgd: fused relu mlp, heads on cached features; eval: shared body) because ProxSmooth is "
+        "vectorizable, 4 clients at a time on the cpu")
 
 
 def page_code() -> str:
@@ -59,7 +62,8 @@ def test_the_page_runs_its_command_to_the_result_it_states_and_auto_stacks_it_wi
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
         auto = train_config(config, rest, run_dir=tmp_path / "auto")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor: ")]
-    assert said == ["executor: stacked (ProxSmooth is vectorizable, 4 clients at a time on the cpu)"], said
+    assert said == [LINE], said
+    assert f"`{LINE}`" in PAGE.read_text()  # the line the page quotes
     assert auto["algorithm"] == "ProxSmooth" and auto["rounds"] == 20
     digits = len(str(stated_final()).split(".")[1])
     assert round(auto["final"], digits) == stated_final()

@@ -30,10 +30,10 @@ from fl_lightning.engine.evaluation import (
     check_monitored_keys,
     client_chunks,
     score_outputs,
-    shared_body_applies,
     validation_metric_names,
     validation_metrics,
 )
+from fl_lightning.engine.executor import shared_body_applies, stacked_scoring_applies
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.sequential import ClientContext
 from fl_lightning.errors import ConfigError
@@ -506,7 +506,7 @@ def test_finetune_of_the_head_client_by_client() -> None:
 def test_finetune_of_the_head_on_the_shared_body_fast_path() -> None:
     """Vectorized executor (the shared-body fast path): the same fine-tuned heads as the reference."""
     module = _module(FedAvg(1, personal=("head.",)), executor="vectorized")
-    assert evaluation.shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
+    assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
     heads = _heads_2(module)
     expected = _reference_scores(module, heads, "test", tune=["head.weight", "head.bias"])
     assert expected[2] != _reference_scores(module, heads, "test")[2]  # fine-tuning changes the losses
@@ -681,57 +681,6 @@ def test_score_outputs_classification_counts_the_arg_max_hits() -> None:
     assert_close_finite(loss, (lse - np.array([2.0, 3.0, 0.5])).sum(), rtol=1e-6)
 
 
-# ---- shared_body_applies ---------------------------------------------------------------------------------------
-class _BodyHeadOnly(nn.Module):
-    """A network with ``body`` and ``head`` and no ``side`` attribute at all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body, self.head = nn.Linear(3, 2), nn.Linear(2, 2)
-
-
-def _module_2(net: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(executor="vectorized", net=net, algorithm=FedAvg(1, personal=("head.",)))
-
-
-def test_shared_body_applies_with_head_fine_tuning_and_not_with_body_fine_tuning() -> None:
-    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
-    assert shared_body_applies(module, None)
-    assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
-    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("body.",)))
-    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("head.", "body.")))
-
-
-def test_shared_body_applies_not_with_a_side_branch() -> None:
-    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2), side=nn.Identity()))
-    assert not shared_body_applies(module, None)
-
-
-def test_shared_body_applies_to_a_network_without_a_side_attribute() -> None:
-    assert shared_body_applies(_module_2(_BodyHeadOnly()), None)
-
-
-def test_global_model_methods_with_server_or_client_state_evaluate_with_the_shared_body() -> None:
-    """SCAFFOLD, FedDyn and MOON evaluate every client with the global model (their client state is kept under
-    their own prefixes): the shared-body path applies to them, "+FT" of the head included."""
-    from fl_lightning.algorithms import MOON, SCAFFOLD, FedDyn
-
-    for algorithm in (SCAFFOLD(1), FedDyn(1), MOON(1)):
-        module = SimpleNamespace(executor="vectorized", net=SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)),
-                                 algorithm=algorithm)  # fmt: skip
-        assert shared_body_applies(module, None), type(algorithm).__name__
-        assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",))), type(algorithm).__name__
-        glob, state = {"head.weight": torch.ones(2, 2)}, {"x.head.weight": torch.zeros(2, 2)}
-        used = algorithm.client_model(glob, state)
-        assert list(used) == ["head.weight"] and used["head.weight"] is glob["head.weight"]
-
-
-def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
-    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
-    module.executor = "sequential"
-    assert not shared_body_applies(module, None)
-
-
 @pytest.fixture
 def _stand_in_contexts(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_finetune_heads`` builds its contexts with ``executor.vector_context(module, ...)``: the stand-in's."""
@@ -837,7 +786,7 @@ def test_stacked_scoring_equals_each_client_scored_alone_by_hand(monkeypatch: py
     models = _own_models(module)
     scores = PerClientScores(len(STACKED_TEST_SIZES))
     clients = list(range(len(STACKED_TEST_SIZES)))
-    assert evaluation.stacked_scoring_applies(module, None, len(clients))
+    assert stacked_scoring_applies(module, None, len(clients))
     evaluation.evaluate_clients(module, clients, ROUND, scores, state_of=lambda c: models[c])
     assert groups == [[0, 2], [3, 5]]  # 2 × 7 ≤ 16, then 3 × 7 > 16; client 4 alone, client 1 empty
     for c in clients:
@@ -858,7 +807,7 @@ def test_stacked_scoring_adapts_each_client_on_its_training_rows_first(monkeypat
     module = _stacked_module(layer_norm)
     module.algorithm = PerFedAvg(adapt_lr=0.5, adapt_steps=2)
     clients = list(range(len(STACKED_TEST_SIZES)))
-    assert evaluation.stacked_scoring_applies(module, None, len(clients))
+    assert stacked_scoring_applies(module, None, len(clients))
     scores = PerClientScores(len(clients))
     evaluation.evaluate_clients(module, clients, ROUND, scores, state_of=lambda c: {})
     glob = module.global_params()
@@ -879,18 +828,18 @@ def test_stacked_scoring_adapts_each_client_on_its_training_rows_first(monkeypat
 
 def test_stacked_scoring_applies_only_where_nothing_runs_per_client_before_the_forward() -> None:
     module = _stacked_module(False)
-    assert evaluation.stacked_scoring_applies(module, None, 6)
+    assert stacked_scoring_applies(module, None, 6)
     auto = _stacked_module(False, executor="auto")
-    assert evaluation.stacked_scoring_applies(auto, None, 6)
-    assert not evaluation.stacked_scoring_applies(auto, None, 1)  # auto: the loop is faster for one client on the CPU
-    assert not evaluation.stacked_scoring_applies(module, FineTune(epochs=1), 6)
-    assert not evaluation.stacked_scoring_applies(_stacked_module(False, executor="sequential"), None, 6)
+    assert stacked_scoring_applies(auto, None, 6)
+    assert not stacked_scoring_applies(auto, None, 1)  # auto: the loop is faster for one client on the CPU
+    assert not stacked_scoring_applies(module, FineTune(epochs=1), 6)
+    assert not stacked_scoring_applies(_stacked_module(False, executor="sequential"), None, 6)
     for algorithm in (_ScaledPredict(1, personal=("head.",)), _RecordingAdapt()):
         module.algorithm = algorithm
-        assert not evaluation.stacked_scoring_applies(module, None, 6)
+        assert not stacked_scoring_applies(module, None, 6)
     module.algorithm = FedAvg(1)
     module.fed.num_classes = None  # regression: scored client by client
-    assert not evaluation.stacked_scoring_applies(module, None, 6)
+    assert not stacked_scoring_applies(module, None, 6)
 
 
 def test_row_groups_pad_at_most_cap_rows_and_leave_out_empty_clients() -> None:

@@ -31,11 +31,13 @@ from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
-from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path
+from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path, shared_body_applies
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
+from fl_lightning.engine.stacked_paths import StackedPaths
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsCNN, DigitsMLP
+from fl_lightning.models.split import SplitModel
 from tests.engine import test_module as module_tests
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.training import make_trainer
@@ -137,6 +139,57 @@ def test_the_cpu_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPa
 def test_auto_is_the_default() -> None:
     assert inspect.signature(FederatedModule.__init__).parameters["executor"].default == "auto"
     assert FederatedModule(FedAvg(1), DigitsMLP()).executor == "auto"
+
+
+# ---- shared_body_applies ---------------------------------------------------------------------------------------
+class _BodyHeadOnly(nn.Module):
+    """A network with ``body`` and ``head`` and no ``side`` attribute at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(3, 2), nn.Linear(2, 2)
+
+
+def _module_2(net: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(executor="vectorized", net=net, algorithm=FedAvg(1, personal=("head.",)))
+
+
+def test_shared_body_applies_with_head_fine_tuning_and_not_with_body_fine_tuning() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
+    assert shared_body_applies(module, None)
+    assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",)))
+    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("body.",)))
+    assert not shared_body_applies(module, FineTune(epochs=1, prefixes=("head.", "body.")))
+
+
+def test_shared_body_applies_not_with_a_side_branch() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2), side=nn.Identity()))
+    assert not shared_body_applies(module, None)
+
+
+def test_shared_body_applies_to_a_network_without_a_side_attribute() -> None:
+    assert shared_body_applies(_module_2(_BodyHeadOnly()), None)
+
+
+def test_global_model_methods_with_server_or_client_state_evaluate_with_the_shared_body() -> None:
+    """SCAFFOLD, FedDyn and MOON evaluate every client with the global model (their client state is kept under
+    their own prefixes): the shared-body path applies to them, "+FT" of the head included."""
+    from fl_lightning.algorithms import MOON, SCAFFOLD, FedDyn
+
+    for algorithm in (SCAFFOLD(1), FedDyn(1), MOON(1)):
+        module = SimpleNamespace(executor="vectorized", net=SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)),
+                                 algorithm=algorithm)  # fmt: skip
+        assert shared_body_applies(module, None), type(algorithm).__name__
+        assert shared_body_applies(module, FineTune(epochs=1, prefixes=("head.",))), type(algorithm).__name__
+        glob, state = {"head.weight": torch.ones(2, 2)}, {"x.head.weight": torch.zeros(2, 2)}
+        used = algorithm.client_model(glob, state)
+        assert list(used) == ["head.weight"] and used["head.weight"] is glob["head.weight"]
+
+
+def test_shared_body_applies_only_to_the_vectorized_executor() -> None:
+    module = _module_2(SplitModel(nn.Linear(3, 2), nn.Linear(2, 2)))
+    module.executor = "sequential"
+    assert not shared_body_applies(module, None)
 
 
 # ---- a tiny federation ------------------------------------------------------------------------------------------
@@ -276,13 +329,14 @@ def test_the_choice_is_said_once_per_run_at_info(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
         _short_fit(FederatedModule(FedRep(1, 1), DigitsMLP(hidden=(16,))))
     assert [m for m in _said(caplog, logging.INFO) if m.startswith("executor")] == [
-        f"executor: stacked (FedRep is vectorizable, {PER_ROUND} clients at a time on the cpu)"
+        f"executor: stacked (sgd: fused relu mlp, heads on cached features; eval: shared body) because FedRep is "
+        f"vectorizable, {PER_ROUND} clients at a time on the cpu"
     ]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
         _short_fit(FederatedModule(FedRep(1, 1), DigitsMLP(hidden=(16,)), executor="sequential"))
     assert [m for m in _said(caplog, logging.INFO) if m.startswith("executor")] == [
-        "executor: sequential (model.executor: sequential)"
+        "executor: sequential (eval: loop) because model.executor: sequential"
     ]
 
 
@@ -356,9 +410,50 @@ def test_decide_says_its_choice_once_per_run_and_records_it(caplog: pytest.LogCa
         executor.decide(first, 3)
         executor.decide(second, 3)
     said = [m for m in _said(caplog, logging.INFO) if m.startswith("executor")]
-    assert said == ["executor: stacked (FedAvg is vectorizable, 3 clients at a time on the cpu)",
-                    "executor: sequential (model.executor: sequential)"]  # fmt: skip
+    assert said == ["executor: stacked (sgd: fused relu mlp, heads on cached features; eval: shared body) because "
+                    "FedAvg is vectorizable, 3 clients at a time on the cpu",
+                    "executor: sequential (eval: loop) because model.executor: sequential"]  # fmt: skip
     assert executor.decided(first).path == "stacked" and executor.decided(second).path == "sequential"
+
+
+def test_the_decision_carries_the_runs_sub_paths_and_records_what_its_line_says() -> None:
+    """``decide`` fills in how the stacked path trains (a ReLU MLP with the cross-entropy: by hand, heads on cached
+    features), how the periodic evaluation scores and how "+FT" does (whole-model "+FT": client by client; head
+    only: the shared body); ``record`` (``summary.json``'s ``ran``) carries what ``describe`` (the line) names."""
+    whole = executor.decide(_tiny_module(finetune=FineTune(1)), 3)
+    assert whole.paths == StackedPaths("fused relu mlp", head="fused relu mlp")
+    assert (whole.evaluation, whole.finetune) == ("shared body", "loop")
+    assert whole.record() == {"executor": "stacked", "reason": "FedAvg is vectorizable, 3 clients at a time on the cpu",
+                              "sgd": "fused relu mlp, heads on cached features", "eval": "shared body",
+                              "finetune": "loop"}  # fmt: skip
+    assert whole.describe() == ("executor: stacked (sgd: fused relu mlp, heads on cached features; eval: shared body;"
+                                " +FT: loop) because FedAvg is vectorizable, 3 clients at a time on the cpu")
+    head = executor.decide(_tiny_module(finetune=FineTune.head_only(1)), 3)
+    assert head.finetune == "shared body"
+    loop = executor.decide(_tiny_module(executor="sequential"), 3)
+    assert loop.paths is None and loop.record()["sgd"] is None and loop.evaluation == "loop"
+    rmsprop = executor.decide(_tiny_module(client_optimizer=torch.optim.RMSprop, executor="vectorized"), 3)
+    assert rmsprop.paths == StackedPaths("in turn", why="client optimizer RMSprop has no batched form")
+
+
+def test_evaluation_reads_the_runs_decided_path_and_decides_another_fine_tuning_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After ``decide``, the periodic evaluation and the run's "+FT" take the decided path without asking again; a
+    fine-tuning the decision did not plan (new clients') is decided when asked (``evaluation_path``), as is an
+    evaluation before the run's first round."""
+    tune = FineTune.head_only(1)
+    module = _tiny_module(finetune=tune)
+    assert executor.evaluation_route(module, None, 3) == "shared body"  # not decided yet: asked now
+    executor.decide(module, 3)
+    asked: list[object] = []
+    real = executor.evaluation_path
+    monkeypatch.setattr(executor, "evaluation_path", lambda m, ft, n, fed: (asked.append(ft), real(m, ft, n, fed))[1])
+    assert executor.evaluation_route(module, None, 1) == "shared body"  # the run's: not re-derived for 1 client
+    assert executor.evaluation_route(module, tune, 7) == "shared body"
+    assert asked == []
+    other = FineTune(1)
+    assert executor.evaluation_route(module, other, 3) == "loop" and asked == [other]
 
 
 @pytest.mark.parametrize("executor_name", ["sequential", "vectorized", "auto"])

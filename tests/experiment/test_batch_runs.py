@@ -237,8 +237,8 @@ def test_every_train_log_says_its_path_and_warnings_batched_or_alone(tmp_path, c
     assert len(logs) == 6
     for log in logs:
         text = log.read_text()
-        path_line = "executor: sequential (model.executor: sequential)" if "fedbn_loop" in str(log) else \
-            "executor: stacked (FedBN is vectorizable"  # fmt: skip
+        loop = "executor: sequential (eval: loop) because model.executor: sequential"
+        path_line = loop if "fedbn_loop" in str(log) else ") because FedBN is vectorizable"
         assert text.count(path_line) == 1, (log, text[-2000:])
         assert text.count("a client's last minibatch of 1 sample is skipped") == 1, log
         assert "Logging error" not in text and "I/O operation on closed file" not in text, log

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params, split_state
-from fl_lightning.engine.executor import client_settings, stacked_updates
+from fl_lightning.engine.executor import client_settings, decided, stacked_updates
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext
@@ -215,7 +215,7 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     ctx = RunsContext(
         first.net, clients, xs, ys, sides if has_side else None, client_settings(first),
         per_sample_loss_for(first.fed.num_classes), gens, first.fed.augment, rounds[0], seeds[0], budgets,
-        rounds=rounds, seeds=seeds, run_slices=slices,
+        rounds=rounds, seeds=seeds, run_slices=slices, paths=getattr(decided(first), "paths", None),  # the run's plan
     )  # fmt: skip
     keep = first.keep_client_optimizer_state
     ctx.optimizer_state = stack(kept) if keep else None
