@@ -25,13 +25,13 @@ import fl_lightning.algorithms as algorithms
 from datamodules.augment import CropFlip
 from datamodules.base import FederatedDataModule
 from datamodules.digits import load_digits_tensors
-from fl_lightning.algorithms import Algorithm, FedAvg, FedRep, LinearFedAvg
+from fl_lightning.algorithms import L2GD, Algorithm, FedAvg, FedRep, LinearFedAvg
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
-from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path
+from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, MIN_TRAINING_RATE, Workload, auto_rule, choose_path
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.errors import ConfigError
@@ -100,6 +100,21 @@ CASES = {
         ("sequential", "1 client at a time on the cpu: the loop is faster below 2", False),
     ),
     "vectorized, one client": (FedAvg(1), MLP, CPU, Workload(1), "vectorized", ASKED_VECTORIZED),
+    # L2GD's clients train in 1 − p of the rounds (default p 0.9): below MIN_TRAINING_RATE the loop on the cpu
+    "auto, L2GD training in 10% of rounds on the cpu": (
+        L2GD(), MLP, CPU, Workload(10), "auto",
+        ("sequential", "10 clients at a time on the cpu: L2GD's clients train in 10% of rounds, and the loop is "
+         "faster below 50%", False),
+    ),
+    "auto, L2GD training in half the rounds on the cpu": (
+        L2GD(p=0.5), MLP, CPU, Workload(10), "auto",
+        ("stacked", "L2GD is vectorizable, 10 clients at a time on the cpu", False),
+    ),
+    "auto, L2GD elsewhere": (
+        L2GD(), MLP, "cuda", Workload(10), "auto",
+        ("stacked", "L2GD is vectorizable, 10 clients at a time on the cuda", False),
+    ),
+    "vectorized, L2GD on the cpu": (L2GD(), MLP, CPU, Workload(10), "vectorized", ASKED_VECTORIZED),
     "auto, one client elsewhere": (
         FedAvg(1), MLP, "cuda", Workload(1), "auto",
         ("stacked", "FedAvg is vectorizable, 1 client at a time on the cuda", False),
@@ -132,6 +147,35 @@ def test_the_cpu_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(MIN_STACKED_CLIENTS, "cpu", 5)
     assert not choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(4)).stacked
     assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(5)).stacked
+
+
+def test_the_training_rate_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``MIN_TRAINING_RATE['cpu']`` of rounds with local training the loop, from it on the stacked path."""
+    floor = MIN_TRAINING_RATE["cpu"]
+    assert floor == 0.5  # benchmarks/executor_auto.py --l2gd: rate 0.1 0.92, 0.5 1.02, 0.9 1.07 (sequential / stacked)
+    assert not choose_path(L2GD(p=1 - floor + 0.01), DigitsMLP(), CPU, Workload(10)).stacked
+    assert choose_path(L2GD(p=1 - floor), DigitsMLP(), CPU, Workload(10)).stacked
+    monkeypatch.setitem(MIN_TRAINING_RATE, "cpu", 0.95)
+    assert not choose_path(L2GD(p=0.1), DigitsMLP(), CPU, Workload(10)).stacked
+    assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(10)).stacked  # trains every round
+    assert choose_path(L2GD(p=0.9), DigitsMLP(), CPU, Workload(10, evaluation=True)).stacked  # nothing trains
+
+
+def test_auto_rule_picks_the_loop_for_a_lone_tiny_client_and_stacks_a_large_cohort() -> None:
+    """The rule itself: one client at a time on the cpu (the measured 0.6-0.9x of the stacked path), or clients that
+    rarely train, get the loop with the reason the decision's line prints; a cohort of 10 training every round, or
+    any cohort on another device, stacks."""
+    assert auto_rule("cpu", 1, FedAvg(1)) == "the loop is faster below 2"
+    assert auto_rule("cpu", 10, FedAvg(1)) is None and auto_rule("cpu", 10, None) is None
+    assert auto_rule("cpu", 10, L2GD()) == "L2GD's clients train in 10% of rounds, and the loop is faster below 50%"
+    assert auto_rule("cuda", 1, L2GD()) is None
+    decision = choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(1))
+    assert decision.reason == "1 client at a time on the cpu: the loop is faster below 2"
+
+
+def test_local_training_rate_is_the_methods_own_coin() -> None:
+    assert FedAvg(1).local_training_rate == 1.0 and Algorithm.local_training_rate == 1.0
+    assert L2GD(p=0.9).local_training_rate == pytest.approx(0.1) and L2GD(p=0.25).local_training_rate == 0.75
 
 
 def test_auto_is_the_default() -> None:
