@@ -14,7 +14,7 @@ training round, with nothing else in it. The clients' own work (``FederatedModul
 way) is subtracted to give the framework's part: sampling, the state bank, aggregation, the server step, logging,
 checkpoint saves (every 10 rounds) and Lightning's loop. Each figure is the median over ``--repeats`` pairs of runs,
 one thread. ``--profile EXECUTOR`` prints a cProfile of the longer run instead (setup and the final evaluation
-included; the extra rounds instead (``--top`` lines, sorted by own time).
+included; ``--top`` lines, ``--sort`` order).
 
 The ``framework ms`` column is what issue 42 asks to be at most 5 ms.
 """
