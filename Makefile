@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits leaderboard bench mutation mutation-report clean
+.PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits leaderboard bench bench-gpu mutation mutation-report clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,12 @@ reproduce: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.bench
 	$(PY) -m benchmarks.scale
+
+# issue 42's GPU measurements in one command, under 5 minutes on one H100/H200 (benchmarks/gpu.py: every gradient
+# method's sequential and auto s/round, FedAvg's TFLOP/s against the card's peak, model.compile and bf16, a 5-seed
+# grid batched vs alone); results/bench/gpu/. make bench-gpu ARGS=--smoke: its smallest size, on the CPU
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu $(ARGS)
 
 # mutation testing ([tool.mutmut] in pyproject.toml; not part of `make test` or CI). Incremental: mutants/ keeps every
 # verdict and only functions whose source changed are re-tested; MUTANTS="fl_lightning.metrics*" re-tests those by name

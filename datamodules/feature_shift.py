@@ -11,8 +11,8 @@ Conventions (the paper gives none; spec 002 §4.3 [UNCLEAR]): rotations are exac
 A clockwise shear by φ tilts the image's vertical axis φ clockwise: a pixel ``y`` rows below the centre moves
 ``−tan φ · y`` columns, so the top of a vertical stroke leans right. It is torchvision's ``affine`` with
 ``shear=[φ, 0]`` (bilinear, zero fill); the spec suggested ``[−φ, 0]`` assuming torchvision's shear is
-counter-clockwise-positive like its rotation, but for shear it is not (``tests/experiments/test_perfedsi.py`` checks the
-definition on a known image). A client's train and test images get its shift once, when the data are built.
+counter-clockwise-positive like its rotation, but for shear it is not (``tests/datamodules/test_feature_shift.py``
+checks the definition on a known image). A client's train and test images get its shift once, when the data are built.
 """
 
 from __future__ import annotations

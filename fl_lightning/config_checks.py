@@ -9,7 +9,8 @@ config names), so an algorithm written later gets them without registering anyth
   where the declared default is 0 (0 then means "off", e.g. ``power_iters``, ``warmup_rounds``);
 - ``trainer.max_steps`` ≥ 1 (the rounds), ``trainer.val_check_interval`` an integer ≥ 1 (rounds) or a fraction in
   (0, 1], ``trainer.check_val_every_n_epoch`` and ``trainer.log_every_n_steps`` ≥ 1, ``checkpoint_every`` ≥ 1,
-  ``wandb.mode`` one of auto/online/offline/disabled, ``wandb.histogram_every`` ≥ 0.
+  ``wandb.mode`` one of auto/online/offline/disabled, ``wandb.histogram_every`` ≥ 0;
+- ``model.compile: cudagraphs`` only where the trainer runs on CUDA.
 
 Only classes of this project (``fl_lightning.*``, ``datamodules.*``) are checked by name; ``torch.optim`` classes
 check their own arguments. Each refusal is one :class:`ConfigError` line: the key, where it was set (the command
@@ -174,8 +175,18 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
             value = model.get(name)
             if _is_number(value) and value < 0:  # one key, its value and where it was set
                 raise refuse(f"model.{name}", value, allowed, args)
+        if model.get("compile") == "cudagraphs" and not cuda_for(trainer.get("accelerator")):
+            raise refuse("model.compile", "cudagraphs", "captures CUDA graphs: it needs a CUDA device", args,
+                         "use --model.compile compile (or none) on this machine")  # fmt: skip
         _walk(model, "model", "fl_lightning.engine.module.FederatedModule", args)
     _walk(config.get("data"), "data", None, args)
+
+
+def cuda_for(accelerator: Any) -> bool:
+    """Whether a trainer with ``accelerator`` trains on CUDA here (``auto``/None: when torch sees a GPU)."""
+    import torch
+
+    return str(accelerator) in ("gpu", "cuda", "auto", "None") and torch.cuda.is_available()
 
 
 def run_dir_problem(run_dir: Path) -> str | None:

@@ -102,7 +102,3 @@ def cluster_model_distance(theta: Tensor, theta_star: Tensor) -> tuple[float, tu
             lo = mid + 1
     assert best is not None  # the largest distance always admits a full matching
     return best
-
-
-def tensor_bytes(tensors: dict[str, Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

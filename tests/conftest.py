@@ -89,5 +89,5 @@ def _restore_environ():
     os.environ.update(saved)
 
 
-# a fixture of test_metrics.py and engine/test_ledger.py
+# a fixture of test_metrics.py and engine/test_aggregation.py (the ledger's byte counts)
 from tests.helpers.split_models import fedper_run  # noqa: E402, F401

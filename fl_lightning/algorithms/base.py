@@ -9,7 +9,8 @@ declare ``vectorizable = True``. An algorithm says:
 
 * ``personal``: name prefixes of parameters that never leave a client (kept in the client bank);
 * ``state_prefixes``: name prefixes of other per-client state in the bank (Ditto's ``v.``); with ``personal`` they
-  are what the ledger (``fl_lightning.engine.ledger``) refuses to see in an upload, whatever the code does;
+  are what the ledger (``CommunicationLedger`` in ``fl_lightning/engine/aggregation.py``) refuses to see in an
+  upload, whatever the code does;
 * ``reveals`` and ``state_dependent_uploads``: what an upload may tell the server about the client, in words and
   as the upload names whose values may depend on the client's personal state (``tests/properties/test_privacy.py``);
 * ``init_client_state``: the per-client state template (by default the personal parameters);

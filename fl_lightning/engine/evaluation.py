@@ -265,29 +265,32 @@ def evaluate_clients(
     finetune: FineTune | None = None,
     state_of: Callable[[int], Params] | None = None,
     split: str = "test",
+    fed: FederatedData | None = None,
 ) -> None:
-    """Each client in ``clients`` evaluates (global shared + ``state_of(client)``; default: its bank row),
-    optionally adapted (``Algorithm.adapt_for_evaluation``) or fine-tuned first, on its own ``split``;
-    the sums go into ``scores``. Local adaptation runs in train mode with gradients, scoring in eval mode."""
+    """Each client in ``clients`` of ``fed`` (default: the run's data) evaluates (global shared +
+    ``state_of(client)``; default: its bank row), optionally adapted (``Algorithm.adapt_for_evaluation``) or
+    fine-tuned first, on its own ``split``; the sums go into ``scores``. Local adaptation runs in train mode with
+    gradients, scoring in eval mode."""
     net, algorithm = module.net, module.algorithm
+    fed = module.fed if fed is None else fed
     was_training = net.training
     glob = module.global_params()
     state_of = state_of or module.bank.get
     with torch.inference_mode(False), torch.enable_grad():
         if shared_body_applies(module, finetune, len(clients)):
-            _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split)
-        elif stacked_scoring_applies(module, finetune, len(clients)):
-            _score_stacked(module, clients, glob, state_of, scores, split, round_idx)
+            _evaluate_with_shared_body(module, clients, glob, round_idx, finetune, state_of, scores, split, fed)
+        elif stacked_scoring_applies(module, finetune, len(clients), fed):
+            _score_stacked(module, clients, glob, state_of, scores, split, round_idx, fed)
         else:
             for c in clients:
                 params = algorithm.client_model(glob, state_of(c))
                 net.train()
-                ctx = client_context(module, c, round_idx, tag="evaluation")
+                ctx = client_context(module, c, round_idx, tag="evaluation", fed=fed)
                 params = algorithm.adapt_for_evaluation(ctx, params)
                 if finetune is not None:
                     params = algorithm.finetune(ctx, params, finetune.epochs, finetune.prefixes)
                 net.eval()
-                scores.update(c, *score_client(net, module.fed, c, params, split, algorithm.predict))
+                scores.update(c, *score_client(net, fed, c, params, split, algorithm.predict))
     net.train(was_training)
 
 
@@ -297,16 +300,21 @@ def evaluate_all(
     finetune: FineTune | None = None,
     state_of: Callable[[int], Params] | None = None,
     split: str = "test",
+    fed: FederatedData | None = None,
+    scores: PerClientScores | None = None,
 ) -> dict[str, Tensor]:
-    """Evaluate all of this rank's clients now (outside the validation loop), ``CLIENTS_PER_STEP`` clients at a
-    time (memory bounded by the chunk, not by N); per-client and mean scores."""
+    """Evaluate all of this rank's clients of ``fed`` (default: the run's data, into ``module.client_scores``) now
+    (outside the validation loop), ``CLIENTS_PER_STEP`` clients at a time (memory bounded by the chunk, not by N);
+    per-client and mean scores."""
     trainer = module.attached_trainer
     world, rank = (trainer.world_size, module.global_rank) if trainer is not None else (1, 0)
+    fed = module.fed if fed is None else fed
+    scores = module.client_scores if scores is None else scores
     with torch.inference_mode(False):
-        module.client_scores.reset()
-        for chunk in ClientChunks(module.fed.num_clients, rank, world, size=CLIENTS_PER_STEP):
-            evaluate_clients(module, chunk, round_idx, module.client_scores, finetune, state_of, split)
-        return module.client_scores.compute()
+        scores.reset()
+        for chunk in ClientChunks(fed.num_clients, rank, world, size=CLIENTS_PER_STEP):
+            evaluate_clients(module, chunk, round_idx, scores, finetune, state_of, split, fed)
+        return scores.compute()
 
 
 def evaluation_sample(num_clients: int, eval_clients: int | None, seed: int) -> list[int] | None:
@@ -335,15 +343,12 @@ def sampled_sem(result: ClientEvaluation, population: int, regression: bool = Fa
 def evaluate_new_clients(module: Module, round_idx: int, new: FederatedData) -> dict[str, Tensor]:
     """Clients that never trained (FedRep Fig. 6, spec 004 transfer): each starts from the global model with a
     fresh personal state (the initial personal parameters), fine-tunes ``module.new_client_finetune`` on its own
-    training data, and is evaluated on its own test data."""
-    saved = module.fed, module.client_scores
+    training data, and is evaluated on its own test data. The run's own data and scores stay as they are: ``new``
+    and its scores are handed to the evaluation."""
     fresh = module.algorithm.init_client_state(module.global_params())
-    try:
-        module.fed = new.to(module.device, module.data_dtype())
-        module.client_scores = PerClientScores(new.num_clients).to(module.device)
-        return module.evaluate_clients(round_idx, module.new_client_finetune, state_of=lambda c: fresh)
-    finally:
-        module.fed, module.client_scores = saved
+    fed = new.to(module.device, module.data_dtype())
+    scores = PerClientScores(new.num_clients).to(module.device)
+    return evaluate_all(module, round_idx, module.new_client_finetune, lambda c: fresh, "test", fed, scores)
 
 
 @torch.no_grad()
@@ -424,18 +429,21 @@ def shared_body_applies(module: Module, finetune: FineTune | None, clients: int 
 STACKED_ROWS = 8192
 
 
-def stacked_scoring_applies(module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP) -> bool:
+def stacked_scoring_applies(
+    module: Module, finetune: FineTune | None, clients: int = CLIENTS_PER_STEP, fed: FederatedData | None = None
+) -> bool:
     """Every client's own model (``Algorithm.client_model``) scores its split in one stacked forward
     (``_score_stacked``) when the executor choice stacks ``clients`` evaluating at once and nothing runs per client
     before the forward: no "+FT", evaluation-time adaptation only by a vectorizable algorithm (then on the clients
     stacked), the network's own forward as prediction, a classification task, no side branch and no recurrent layer
-    (BatchNorm is refused by ``choose_path``)."""
+    (BatchNorm is refused by ``choose_path``). ``fed``: the evaluated data (default: the run's)."""
     kind, net = type(module.algorithm), module.net
+    fed = module.fed if fed is None else fed
     adapts = kind.adapt_for_evaluation is not Algorithm.adapt_for_evaluation
     return (
         finetune is None
-        and module.fed.num_classes is not None
-        and module.fed.side is None
+        and fed.num_classes is not None
+        and fed.side is None
         and getattr(net, "side", None) is None
         and not has_rnn(net)
         and (not adapts or declares_vectorizable(module.algorithm))
@@ -484,13 +492,13 @@ def _score_padded(out: Tensor, y: Tensor, sizes: list[int], clients: list[int], 
 @torch.no_grad()
 def _score_stacked(
     module: Module, clients: list[int], glob: Params, state_of: Callable[[int], Params], scores: PerClientScores,
-    split: str, round_idx: int,
+    split: str, round_idx: int, fed: FederatedData,
 ) -> None:  # fmt: skip
     """``score_client`` for many clients at once: their splits padded to one ``[K, n, ...]`` tensor per
     ``row_groups`` group, each client's model stacked (``_stacked_apply``; adapted first on a stacked context of
     the group's training data when the algorithm adapts), the padding masked out of the correct count and the summed
     cross-entropy. A client with more than ``STACKED_ROWS / 2`` rows is scored alone (``score_client``'s slices)."""
-    net, algorithm, data = module.net, module.algorithm, module.fed.evaluation_split(split)
+    net, algorithm, data = module.net, module.algorithm, fed.evaluation_split(split)
     adapts = type(algorithm).adapt_for_evaluation is not Algorithm.adapt_for_evaluation
     net.eval()
     pairs = [data.client(c) for c in clients]
@@ -500,12 +508,12 @@ def _score_stacked(
         params = stack([algorithm.client_model(glob, state_of(c)) for c in ids])
         if adapts:  # in train mode with gradients, as the client-by-client loop adapts
             net.train()
-            ctx = vector_context(module, ids, round_idx, [1.0] * len(ids), tag="evaluation")
+            ctx = vector_context(module, ids, round_idx, [1.0] * len(ids), tag="evaluation", fed=fed)
             params = algorithm.adapt_for_evaluation(ctx, params)
             net.eval()
         if alone:
             mine = {n: v[0] for n, v in params.items()}
-            scores.update(ids[0], *score_client(net, module.fed, ids[0], mine, split, algorithm.predict))
+            scores.update(ids[0], *score_client(net, fed, ids[0], mine, split, algorithm.predict))
             continue
         out = _stacked_apply(net, params, pad_rows([pairs[k][0] for k in group]))
         _score_padded(out, pad_rows([pairs[k][1] for k in group]), [pairs[k][0].shape[0] for k in group], ids, scores)
@@ -521,17 +529,18 @@ def _evaluate_with_shared_body(
     state_of: Callable[[int], Params],
     scores: PerClientScores,
     split: str,
+    fed: FederatedData,
 ) -> None:
     """Features once with the global body for all ``clients``' rows, then every client's head on its rows, the heads
     of a ``row_groups`` group at once on their clients' padded features (regression: client by client)."""
-    net, test = module.net, module.fed.evaluation_split(split)
+    net, test = module.net, fed.evaluation_split(split)
     heads = [
         {n: v for n, v in module.algorithm.client_model(glob, state_of(c)).items() if n.startswith("head.")}
         for c in clients
     ]
     if finetune is not None:
         with torch.enable_grad():
-            heads = _finetune_heads(module, clients, glob, heads, round_idx, finetune)
+            heads = _finetune_heads(module, clients, glob, heads, round_idx, finetune, fed)
     net.eval()
     body = {n[len("body.") :]: v for n, v in glob.items() if n.startswith("body.")}
     spans = [(test.offsets[c], test.offsets[c + 1]) for c in clients]  # host offsets: no device reads
@@ -548,7 +557,7 @@ def _evaluate_with_shared_body(
         feats = torch.cat([functional_call(net.body, body, (chunk,)) for chunk in x.split(FEATURE_CHUNK)])
     starts = [0, *itertools.accumulate(sizes)][:-1]
     heads = [{n[len("head.") :]: v for n, v in head.items()} for head in heads]
-    if module.fed.num_classes is not None:
+    if fed.num_classes is not None:
         groups = row_groups(sizes, STACKED_ROWS)
     else:  # regression: each client's head on its own rows
         groups = [[k] for k, n in enumerate(sizes) if n]
@@ -561,18 +570,19 @@ def _evaluate_with_shared_body(
             continue
         k = group[0]
         out = functional_call(net.head, heads[k], (feats[starts[k] : starts[k] + sizes[k]],))
-        scores.update(clients[k], *score_outputs(out, test.y[spans[k][0] : spans[k][1]], module.fed.num_classes))
+        scores.update(clients[k], *score_outputs(out, test.y[spans[k][0] : spans[k][1]], fed.num_classes))
 
 
 def _finetune_heads(
-    module: Module, clients: list[int], glob: Params, heads: list[Params], round_idx: int, finetune: FineTune
+    module: Module, clients: list[int], glob: Params, heads: list[Params], round_idx: int, finetune: FineTune,
+    fed: FederatedData,
 ) -> list[Params]:
     """ "+FT" for many clients at once (the frozen body's features are computed once per chunk)."""
     module.net.train()
     out: list[Params] = []
     for i in range(0, len(clients), 256):
         chunk = clients[i : i + 256]
-        ctx = vector_context(module, chunk, round_idx, [1.0] * len(chunk), tag="evaluation")
+        ctx = vector_context(module, chunk, round_idx, [1.0] * len(chunk), tag="evaluation", fed=fed)
         params = {n: v.expand(len(chunk), *v.shape) for n, v in glob.items()}
         params.update(stack(heads[i : i + 256]))
         tuned = ctx.sgd(params, ctx.params_with(finetune.prefixes), finetune.epochs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -33,6 +33,7 @@ from fl_lightning.client import ClientOptimizer, Params, factory_name, split_sta
 from fl_lightning.engine.batched_optim import batched_rule
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
+from fl_lightning.engine.optimizers import RoundOptimizers
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batchnorm
 from fl_lightning.engine.stacked import VectorizedContext
@@ -87,9 +88,10 @@ class FederatedRun(Protocol):
     executor: ExecutorName
     keep_client_optimizer_state: bool
     run_axis: Any
-    round_optimizers: Any
     loss_fn: Any
     device: torch.device
+    client_optimizer: ClientOptimizer
+    round_optimizers: RoundOptimizers
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,8 @@ def _blocker(algorithm: Algorithm, net: nn.Module, workload: Workload) -> str | 
     """Why the stacked path cannot run this workload at all, or None."""
     if getattr(net, "stacked_blocker", None):  # a network that says it runs one client at a time (LoRAClassifier)
         return str(net.stacked_blocker)
+    if workload.evaluation and getattr(net, "stacked_scoring_blocker", None):  # one that scores one at a time
+        return str(net.stacked_scoring_blocker)
     if not workload.evaluation and not declares_vectorizable(algorithm):
         return f"{type(algorithm).__name__} is not marked vectorizable"
     if workload.evaluation and has_batchnorm(net):  # training stacks per-client BatchNorm statistics; scoring not
@@ -147,8 +151,9 @@ def choose_path(
     blocker = _blocker(algorithm, net, workload)
     if blocker is not None:
         return Decision("sequential", blocker, fallback=executor == "vectorized")
+    note = f"; {net.stacked_note}" if getattr(net, "stacked_note", None) else ""  # e.g. LoRA adapters stacked
     if executor == "vectorized":
-        return Decision("stacked", "model.executor: vectorized")
+        return Decision("stacked", f"model.executor: vectorized{note}")
     # where the stacked path would run its clients in turn anyway (and warn), auto runs the loop
     if workload.optimizer is not None and batched_rule(workload.optimizer) is None:
         name = factory_name(workload.optimizer.factory)
@@ -163,7 +168,7 @@ def choose_path(
     if slower is not None:
         return Decision("sequential", f"{at_once}: {slower}")
     what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
-    return Decision("stacked", f"{what}, {at_once}")
+    return Decision("stacked", f"{what}, {at_once}{note}")
 
 
 def auto_rule(kind: str, clients: int, algorithm: Algorithm | None) -> str | None:
@@ -203,7 +208,7 @@ def decide(module: FederatedRun, clients: int) -> Decision:
     path alike)."""
     fed = module.fed
     augment = None if fed is None else fed.augment
-    optimizer = module.round_optimizers.client_settings()
+    optimizer = client_settings(module)
     workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
     if module in _DECIDED:
@@ -235,6 +240,15 @@ def partial_batchnorm_batches(net: nn.Module, optimizer: ClientOptimizer, offset
 
 
 # ---- contexts ---------------------------------------------------------------------------------------------------
+def client_settings(module: FederatedRun) -> ClientOptimizer:
+    """The round's client optimiser: ``module.client_optimizer`` at the learning rate the client schedule holds now
+    (``RoundOptimizers.client_lr``, which Lightning steps and checkpoints); before fitting, the configured one."""
+    holder = module.round_optimizers.client_lr
+    if holder is None:
+        return module.client_optimizer
+    return replace(module.client_optimizer, lr=float(holder.param_groups[0]["lr"]))
+
+
 def client_context(
     module: FederatedRun,
     client: int,
@@ -242,27 +256,30 @@ def client_context(
     split: str = "train",
     tag: str = "train",
     step_budget: float = 1.0,
+    fed: FederatedData | None = None,
 ) -> ClientContext:
-    """One client's context on its ``split`` (``train`` or ``test``) with its generator ``(seed, tag, round,
-    client)``; the augmentation applies to training data only."""
-    fed = module.fed
+    """One client's context on its ``split`` (``train`` or ``test``) of ``fed`` (default: the run's data) with its
+    generator ``(seed, tag, round, client)``; the augmentation applies to training data only."""
+    fed = module.fed if fed is None else fed
     x, y = (fed.train if split == "train" else fed.test).client(client)
     return ClientContext(
         module.net, client, x, y, None if fed.side is None else fed.side[client],
-        module.round_optimizers.client_settings(), module.loss_fn, make_generator(fed.seed, tag, round_idx, client),
+        client_settings(module), module.loss_fn, make_generator(fed.seed, tag, round_idx, client),
         fed.augment if split == "train" else None, round_idx, fed.seed, step_budget,
     )  # fmt: skip
 
 
 def vector_context(
-    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train"
+    module: FederatedRun, clients: Sequence[int], round_idx: int, budgets: list[float], tag: str = "train",
+    fed: FederatedData | None = None,
 ) -> VectorizedContext:
-    """``clients`` stacked in one context on their training data (the stacked path's ``client_context``)."""
-    fed = module.fed
+    """``clients`` stacked in one context on their training data in ``fed`` (default: the run's data; the stacked
+    path's ``client_context``)."""
+    fed = module.fed if fed is None else fed
     pairs = [fed.train.client(c) for c in clients]
     return VectorizedContext(
         module.net, list(clients), [x for x, _ in pairs], [y for _, y in pairs],
-        None if fed.side is None else [fed.side[c] for c in clients], module.round_optimizers.client_settings(),
+        None if fed.side is None else [fed.side[c] for c in clients], client_settings(module),
         per_sample_loss_for(fed.num_classes), [make_generator(fed.seed, tag, round_idx, c) for c in clients],
         fed.augment, round_idx, fed.seed, budgets,
     )  # fmt: skip

@@ -33,13 +33,12 @@ from torch import Tensor, nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate, RoundFacts
 from fl_lightning.client import ClientOptimizer, OptimizerCallable, Params, has_batchnorm1d
-from fl_lightning.engine import aggregation, evaluation, executor, lightning_logging
+from fl_lightning.engine import aggregation, compiled, evaluation, executor, lightning_logging
 from fl_lightning.engine import checkpoint as checkpoint_entries
-from fl_lightning.engine.aggregation import CohortSums, RoundStats, TrainingDiverged
+from fl_lightning.engine.aggregation import CohortSums, CommunicationLedger, RoundStats, TrainingDiverged
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, FineTune, main_metric, mean_of_last, validation_metrics
 from fl_lightning.engine.executor import ExecutorName
-from fl_lightning.engine.ledger import CommunicationLedger
 from fl_lightning.engine.optimizers import OPTIMIZER_ARGS, LRSchedulerCallable, RoundOptimizers
 from fl_lightning.engine.privacy import Privacy, PrivacyEngine, PrivateAggregation, check_algorithm
 from fl_lightning.engine.sequential import loss_fn_for, state_template
@@ -105,6 +104,7 @@ class FederatedModule(L.LightningModule):
         eval_clients: the periodic evaluations score a fixed seeded sample of this many clients (the same each
             time, so curves compare; ``val/acc_mean_sem`` is the standard error of the sampled mean); the final
             evaluation of a fit (after its last round) scores every client. None (default): every client, always.
+        compile: the stacked steps eager (``none``), compiled (``compile``) or CUDA graphs (``engine.compiled``).
     Survivors are aggregated with renormalised weights; a client whose upload is not finite is dropped.
     """
 
@@ -137,6 +137,7 @@ class FederatedModule(L.LightningModule):
         privacy: Privacy | None = None,
         client_state: Placement = "auto",
         eval_clients: int | None = None,
+        compile: compiled.CompileMode = "none",
     ) -> None:
         super().__init__()
         check_settings(lr, batch_size, eval_every, server_lr, client_dropout, stragglers, straggler_budget, eval_last,
@@ -146,9 +147,8 @@ class FederatedModule(L.LightningModule):
         self.save_hyperparameters(ignore=["algorithm", "network", "finetune", "new_client_finetune", "privacy",
                                           *OPTIMIZER_ARGS])
         self.client_dropout, self.stragglers, self.straggler_budget = client_dropout, stragglers, straggler_budget
-        self.executor = executor
+        self.executor, self.compile_mode = executor, compiled.set_mode(network, compile)  # a network's setting
         self.new_client_finetune = new_client_finetune or FineTune.head_only(epochs=10)  # FedRep Fig. 6
-        self._executor_logged = False  #: the executor choice is logged once per run
         self.automatic_optimization = False
         self.algorithm, self.net = algorithm, network
         self.privacy = None if privacy is None else PrivacyEngine(privacy)

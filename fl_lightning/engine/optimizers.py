@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +43,8 @@ FLAT_CLIENT_DEFAULTS = {"lr": 0.01, "momentum": 0.5, "weight_decay": 0.0}
 
 @dataclass
 class RoundOptimizers:
-    """Builds the two optimisers and their schedules, gives each round's client settings, steps the schedules."""
+    """Builds the two optimisers and their schedules (``client_lr`` holds the clients' learning rate), steps the
+    schedules."""
 
     client: ClientOptimizer
     server_factory: OptimizerCallable | None = None
@@ -51,7 +52,8 @@ class RoundOptimizers:
     server_momentum: float = 0.0
     server_schedule: LRSchedulerCallable | None = None
     client_schedule: LRSchedulerCallable | None = None
-    _client_lr: Optimizer | None = field(default=None, repr=False)
+    #: the client optimiser over one dummy parameter that carries the clients' learning rate (None until fitting)
+    client_lr: Optimizer | None = field(default=None, repr=False)
     _schedulers: list[LRScheduler] = field(default_factory=list, repr=False)
 
     def check(self, flat_client: dict[str, float]) -> None:
@@ -92,26 +94,20 @@ class RoundOptimizers:
 
     def configure(self, trainable: list[Tensor]) -> tuple[list[Optimizer], list[dict[str, Any]]]:
         """``configure_optimizers``' answer: [server, client lr] and their per-round schedules."""
-        server, self._client_lr = self.build_server(trainable), self._client_holder()
+        server, self.client_lr = self.build_server(trainable), self._client_holder()
         self._schedulers = [
             self._schedule(self.server_schedule, server, "model.server_lr_schedule"),
-            self._schedule(self.client_schedule, self._client_lr, "model.client_lr_schedule"),
+            self._schedule(self.client_schedule, self.client_lr, "model.client_lr_schedule"),
         ]
         configs = [
             {"scheduler": s, "name": name, "interval": "step"}
             for s, name in zip(self._schedulers, ("lr/server", "lr/client"))
         ]
-        return [server, self._client_lr], configs
-
-    def client_settings(self) -> ClientOptimizer:
-        """The client optimiser of the current round (its learning rate from the client schedule)."""
-        if self._client_lr is None:  # not fitting (no configure_optimizers yet)
-            return self.client
-        return replace(self.client, lr=float(self._client_lr.param_groups[0]["lr"]))
+        return [server, self.client_lr], configs
 
     def step_schedules(self) -> None:
         """End of a round: both learning rates move to the next round's values."""
-        if self._client_lr is not None:
-            self._client_lr.step()  # no gradient, so no change; torch wants a step before a scheduler step
+        if self.client_lr is not None:
+            self.client_lr.step()  # no gradient, so no change; torch wants a step before a scheduler step
         for scheduler in self._schedulers:
             scheduler.step()

@@ -95,19 +95,21 @@ def plan_phase(
         per_client.append((rows, draws))
         steps.append(taken)
     total = max(steps, default=0)
+    # columns: the longest real minibatch of any client (a batch size above every client's data pads no further)
+    cols = max((n for client in lengths for n in client), default=batch_size)
     first_draws = next((draws[0] for _, draws in per_client if draws), None)  # a client with no step draws none
     width = 1 + (first_draws[0, 0].numel() if first_draws is not None else 0)
-    packed = torch.zeros(total, len(sizes), batch_size, width, dtype=torch.long)
+    packed = torch.zeros(total, len(sizes), cols, width, dtype=torch.long)
     packed[..., 0] = -1  # padding rows (their draws stay 0: any valid draw, masked out of the loss)
     for k, (rows, draws) in enumerate(per_client):
         if rows:
-            packed[: steps[k], k, :, 0] = torch.cat(rows)
+            packed[: steps[k], k, :, 0] = torch.cat(rows)[:, :cols]
         if draws:
-            packed[: steps[k], k, :, 1:] = torch.cat(draws).reshape(steps[k], batch_size, -1)
+            packed[: steps[k], k, :, 1:] = torch.cat(draws)[:, :cols].reshape(steps[k], cols, -1)
     k = len(sizes)
     packed = torch.cat([packed.reshape(-1), torch.tensor(steps + last_epoch, dtype=torch.long)])
     packed = to_device(packed, device)  # the phase's only host-to-device transfer
-    body, tail = packed[: -2 * k].view(total, k, batch_size, width), packed[-2 * k :]
+    body, tail = packed[: -2 * k].view(total, k, cols, width), packed[-2 * k :]
     rows, draws = body[..., 0], body[..., 1:] if width > 1 else None
     return PhasePlan(rows, draws, tail[:k], steps, lengths, last_epoch, tail[k:])
 

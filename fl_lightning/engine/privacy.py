@@ -5,7 +5,7 @@ Alg. 1 with a fixed denominator) applied to whatever an algorithm uploads:
 
 * **clip, on the client side of the ledger** (``clip``): each client's upload delta Δ_k = upload_k − θ is scaled to
   L2 norm ≤ C, flat over all uploaded tensors or per tensor (C/√L each, so the whole is still ≤ C); the ledger
-  (``fl_lightning.engine.ledger``) records the clipped upload. With ``mechanism: local`` the client also adds its own
+  (``CommunicationLedger``) records the clipped upload. With ``mechanism: local`` the client also adds its own
   N(0, σ²C²) before the upload (local DP, accounted per client: each client's worst case, a Gaussian of
   sensitivity 2C in every round, no amplification by sampling).
 * **noise, on the server side, once** (``add_noise``): N(0, σ²C²) on each coordinate of the cohort's sum, added on

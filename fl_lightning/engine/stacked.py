@@ -67,6 +67,7 @@ from fl_lightning.client import (
     state_name,
 )
 from fl_lightning.engine.batched_optim import BatchedRule, batched_rule, per_row
+from fl_lightning.engine.compiled import compiled_step
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.phases import Phase, PhasePlan, masked_mean, plan_phase
 from fl_lightning.engine.sequential import (
@@ -83,6 +84,7 @@ from fl_lightning.engine.stacked_nets import (
     channels_last,
     has_conv,
     has_rnn,
+    own_stacked_forward,
     pad_rows,
     per_sample_cross_entropy,
     relu_layers,
@@ -355,6 +357,11 @@ class VectorizedContext:
                      "vectorized executor: the augmentation cannot draw ahead: clients run in turn")
             return self._sgd_client_by_client(out, phase)
         head_only = self._head_only(trainable, gradient, objective)
+        custom = gradient is not None or objective is not None or self.sides is not None
+        if not head_only and custom and own_stacked_forward(self.net) is not None:
+            say_once(self.net, "own_stacked", logging.WARNING,  # its stacked forward has no per-client vmap form
+                     "vectorized executor: a custom step on %s: clients run in turn", type(self.net).__name__)
+            return self._sgd_client_by_client(out, phase)
         if not head_only and has_rnn(self.net):
             say_once(self.net, "rnn", logging.WARNING,
                      "vectorized executor: recurrent layers (LSTM) have no batched form: clients run in turn")
@@ -407,7 +414,8 @@ class VectorizedContext:
 
         batchnorm = FunctionalBatchNorm(self.net) if has_batchnorm(self.net) and not head_only else None
         stacked = phase.gradient is None and phase.objective is None and self.sides is None and stackable(module)
-        step = None if stacked else self._vmapped_step(module, names, phase, batchnorm)
+        step = None if stacked else compiled_step(self._vmapped_step(module, names, phase, batchnorm), self.net)
+        stacked_step = compiled_step(self._stacked_step, self.net)  # model.compile (engine.compiled), else eager
         # a ReLU network with the cross-entropy and no penalty to differentiate: its gradient by hand
         by_hand = stacked and self._per_sample is per_sample_cross_entropy and (
             penalty is None or penalty.gradient is not None)  # fmt: skip
@@ -436,7 +444,7 @@ class VectorizedContext:
                 everyone = s < fewest  # every client steps (known on the host): nothing to mask
                 x, y = batch_inputs(s), data_y[rows[s]]
                 if step is None:
-                    grads, losses = self._stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata, layers)
+                    grads, losses = stacked_step(module, names, train, frozen, x, y, mask, penalty, pdata, layers)
                     sets, extra = {}, {}
                 else:
                     grads, losses, sets, extra = step(train, frozen, x, y, mask, self.sides, pdata, odata)

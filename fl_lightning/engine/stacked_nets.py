@@ -108,9 +108,19 @@ def unstack(stacked: Params, k: int) -> Params:
 ELEMENTWISE = (nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.ELU, nn.LeakyReLU, nn.SiLU, nn.Softplus, nn.Identity)
 
 
+def own_stacked_forward(module: nn.Module) -> Callable[[Params, Tensor], Tensor] | None:
+    """A network's own stacked forward ``(params [K, ...], x [K, B, ...]) → [K, B, ...]``, if it has one
+    (``LoRAClassifier``: the cohort's adapters over one frozen base, ``models.stacked_lora``)."""
+    own = getattr(module, "stacked_forward", None)
+    return own if callable(own) else None
+
+
 def stackable(module: nn.Module) -> bool:
     """Whether ``stacked_forward`` computes ``module`` for stacked parameters: ``Linear``, elementwise activations,
-    ``Flatten``, ``Sequential`` of those, and a ``SplitModel`` of those without a side branch."""
+    ``Flatten``, ``Sequential`` of those, a ``SplitModel`` of those without a side branch, and a network with its
+    own stacked forward (``own_stacked_forward``)."""
+    if own_stacked_forward(module) is not None:
+        return True
     kind = type(module)
     if kind is nn.Linear or kind is nn.Flatten or kind in ELEMENTWISE:
         return True
@@ -124,6 +134,9 @@ def stackable(module: nn.Module) -> bool:
 def stacked_forward(module: nn.Module, params: Params, x: Tensor, prefix: str = "") -> Tensor:
     """``module`` applied by every client ``k`` with its parameters ``params[name][k]`` to its inputs ``x[k]``
     (``[K, B, ...]`` → ``[K, B, ...]``): a ``Linear`` is one batched matrix product (``baddbmm``)."""
+    own = own_stacked_forward(module)
+    if own is not None:
+        return own({n[len(prefix) :]: v for n, v in params.items() if n.startswith(prefix)}, x)
     kind = type(module)
     if kind is nn.Linear:
         weight, bias = params[prefix + "weight"], params.get(prefix + "bias")

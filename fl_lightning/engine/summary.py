@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import ClientEvaluation, EvaluatedRun, class_shares, main_metric
@@ -29,6 +31,7 @@ class FinishedRun(EvaluatedRun, Protocol):
     final_clients: ClientEvaluation | None
     loggers: list[Any]
     validation_split: str
+    device: torch.device
 
     def wall_seconds(self) -> float: ...
 
@@ -57,6 +60,8 @@ def run_summary(module: FinishedRun) -> dict[str, Any]:
         for name in ("final", "last10", "best"):
             del summary[name]
         summary["evaluations"] = 0
+    if module.device.type == "cuda":  # this process's peak device memory (experiment.gpu_share: --jobs auto)
+        summary["peak_device_mb"] = torch.cuda.max_memory_allocated(module.device) / 2**20
     if module.privacy is not None:
         summary.update(module.privacy.summary(module.rounds_trained, final=True))
     if module.fed.num_classes is not None:

@@ -26,6 +26,16 @@ def _list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _jobs(text: str) -> int | str:
+    """``--jobs``: a number, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose mistakes are one line (no usage block), exit code 2."""
 
@@ -49,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run an experiment file")
     run.add_argument("file", type=Path)
     run.add_argument("--dry-run", action="store_true", help="list the runs, their state and commands; run nothing")
-    run.add_argument("--jobs", type=int, default=1, help="runs at once, as worker processes (default 1: in process)")
+    run.add_argument("--jobs", type=_jobs, default=1,
+                     help="runs at once, as worker processes (default 1: in process); auto: as many as the GPU "
+                     "memory a first job measured holds (fl_lightning.experiment.gpu_share)")  # fmt: skip
     run.add_argument("--batch-runs", type=int, default=None, metavar="K",
                      help="at most K runs that share an algorithm class and network train as one batched job "
                      "(default: the file's batch_runs, else all of them; 1: one run at a time)")  # fmt: skip

@@ -1,7 +1,8 @@
 """Run the grid of an experiment: skip finished runs, resume unfinished ones, one log per run.
 
 Every run is ``python train.py ARGS`` (:meth:`RunSpec.command`), executed in this process one after the other
-(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``). Runs whose
+(``jobs=1``) or as worker processes (``jobs>1``; on a GPU machine worker ``k`` sees GPU ``k mod #GPUs``;
+``jobs="auto"``: as many at once as the GPU memory a first job measured holds, ``gpu_share``). Runs whose
 resolved configs differ only in the seed (and what a resume may change), one process per run, train as one
 batched job of the run axis (``fl_lightning.experiment.run_axis``: in this
 process with ``jobs=1``, a child process per job with ``jobs>1``), at most ``batch_runs`` at a time
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from fl_lightning.experiment.gpu_share import JobLimit
 from fl_lightning.experiment.spec import Choice, Experiment, Outcome, RunSpec, TuneRun
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
@@ -347,7 +349,7 @@ def execute(
     experiment: Experiment,
     runs: list[RunSpec],
     max_steps: dict[str, int | None],
-    jobs: int = 1,
+    jobs: int | str = 1,
     overwrite: bool = False,
     stream: TextIO | None = None,
     configs: dict[str, dict[str, Any]] | None = None,
@@ -403,8 +405,9 @@ def execute(
             _log_header(runs[i].run_dir / "train.log", runs[i], todo[i][0])
 
     interrupted = False
+    limit = JobLimit(jobs)  # a number, or "auto": one job, then as many as the GPU memory it measured holds
     try:
-        if jobs <= 1:
+        if limit.in_process:
             for unit in units:
                 announce(unit)
                 start = time.perf_counter()
@@ -421,13 +424,13 @@ def execute(
                 if interrupted:
                     break
         else:
-            workers = Workers(jobs)
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
+            workers = Workers(limit.most)
+            with ThreadPoolExecutor(max_workers=limit.most) as pool:
                 pending: dict[Future, tuple[list[int], float]] = {}
                 queue = list(units)
                 try:
                     while queue or pending:
-                        while queue and len(pending) < jobs:
+                        while queue and len(pending) < limit.limit:
                             unit = queue.pop(0)
                             announce(unit)
                             if len(unit) == 1:
@@ -446,6 +449,9 @@ def execute(
                                     interrupted = True
                                 else:
                                     report(i, status, error, time.perf_counter() - start)
+                            said = limit.learn([runs[i].run_dir for i in unit])
+                            if said:
+                                progress.line(said)
                         if interrupted:
                             workers.stop()
                             break
@@ -530,7 +536,7 @@ def choose(
 def run_experiment(
     experiment: Experiment,
     extra: list[str] | tuple[str, ...] = (),
-    jobs: int = 1,
+    jobs: int | str = 1,
     overwrite: bool = False,
     dry_run: bool = False,
     batch_runs: int | None = None,
@@ -551,8 +557,8 @@ def run_experiment(
     from fl_lightning.experiment.validation import validate_runs
 
     out = out or sys.stdout
-    if jobs < 1:
-        raise ExperimentError(f"--jobs {jobs}: expected ≥ 1")
+    if jobs != "auto" and (not isinstance(jobs, int) or jobs < 1):
+        raise ExperimentError(f"--jobs {jobs}: expected ≥ 1, or auto")
     if batch_runs is not None and batch_runs < 1:
         raise ExperimentError(f"--batch-runs {batch_runs}: expected ≥ 1 (1 turns batching off)")
     batch_runs = batch_runs if batch_runs is not None else experiment.batch_runs

@@ -329,7 +329,7 @@ class Experiment:
 #: evaluations) and the prefixes of those the data callbacks add (``mr_``: mixed regression, ``mf_``: low-rank)
 SUMMARY_FIGURES = ("final", "last10", "best", "rounds", "wall_s", "upload_bytes", "classes", "top_class_share",
                    "label_top_class_share", "evaluations", "epsilon", "delta", "noise_multiplier", "clip", "dist_B",
-                   "final_ft", "new_clients_acc", "new_clients_mse",
+                   "final_ft", "new_clients_acc", "new_clients_mse", "peak_device_mb",
                    *(f"{base}_{s}" for base in ("final", "final_ft") for s in ("std", "worst10", "min", "max")))
 SUMMARY_PREFIXES = ("mr_", "mf_")
 

@@ -33,3 +33,7 @@ __all__ += ["ClusteredLinear", "LowRankFactors"]
 from fl_lightning.models.adapters import LoRAClassifier  # noqa: E402
 
 __all__ += ["LoRAClassifier"]
+
+from fl_lightning.models.causal_lm import LoRACausalLM  # noqa: E402
+
+__all__ += ["LoRACausalLM"]

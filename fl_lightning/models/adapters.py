@@ -74,9 +74,16 @@ def resolve_model_path(model: str) -> Path:
 
 
 def _build_backbone(
-    model: str | None, config: Mapping[str, Any] | None, base_dropout: float, layers: int | None = None
+    model: str | None,
+    config: Mapping[str, Any] | None,
+    base_dropout: float,
+    layers: int | None = None,
+    causal_lm: bool = False,
 ) -> nn.Module:
-    from transformers import AutoConfig, AutoModel
+    """The transformer (``AutoModel``), or with ``causal_lm`` the whole causal LM (``AutoModelForCausalLM``)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM if causal_lm else AutoModel
 
     if (model is None) == (config is None):
         raise ConfigError("model.network: give exactly one of model (a checkpoint) and config (a random init)")
@@ -96,13 +103,13 @@ def _build_backbone(
             raise ConfigError(f"model.network.layers {layers}: the model has {have} layers")
         hf_config.num_hidden_layers = layers
     if config is not None:
-        return AutoModel.from_config(hf_config)
+        return auto.from_config(hf_config)
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the load report lists the layers that ``layers`` leaves out
     try:
-        return AutoModel.from_pretrained(resolve_model_path(model), config=hf_config)
+        return auto.from_pretrained(resolve_model_path(model), config=hf_config)
     finally:
         hf_logging.set_verbosity(level)
 
@@ -141,6 +148,7 @@ class PooledLoRAEncoder(nn.Module):
         pad_token_id: int | None = None,
         base_dropout: float = 0.0,
         layers: int | None = None,
+        causal_lm: bool = False,
     ) -> None:
         super().__init__()
         from peft import LoraConfig, get_peft_model
@@ -149,7 +157,12 @@ class PooledLoRAEncoder(nn.Module):
             raise ConfigError(f"model.network.rank must be ≥ 1, got {rank}")
         if not adapters:
             raise ConfigError("model.network.adapters must name at least one adapter")
-        backbone = _build_backbone(model, config, base_dropout, layers)
+        backbone = _build_backbone(model, config, base_dropout, layers, causal_lm)
+        #: a causal LM's output projection (vocabulary logits), kept out of this module (``LoRACausalLM``'s head)
+        self.lm_head: tuple[Tensor, ...] = ()
+        if causal_lm:  # the transformer under the LM head; the head's weights go to the split model's head
+            self.lm_head = (backbone.get_output_embeddings().weight.detach().clone(),)
+            backbone = backbone.base_model
         pad = pad_token_id if pad_token_id is not None else getattr(backbone.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
         self.pooling = pooling
@@ -244,14 +257,22 @@ class LoRAClassifier(SplitModel):
                                  pad_token_id, base_dropout, layers)  # fmt: skip
         hidden = int(body.lm.base_model.model.config.hidden_size)
         super().__init__(body, nn.Linear(hidden, num_labels))
-        #: the stacked path would copy nothing of the base, but vmap over a Hugging Face model is not proven here:
-        #: the engine's executor runs these networks in its loop (``executor._blocker``)
-        self.stacked_blocker = "a Hugging Face transformer with LoRA adapters runs one client at a time"
+        self._engine_attributes(lora_dropout)
+
+    def _engine_attributes(self, lora_dropout: float) -> None:
+        """What the engine reads of a LoRA split model (after ``body`` and ``head`` are set)."""
+        #: the executor's stacked path trains a cohort's adapters in one step over the one base (``stacked_forward``);
+        #: LoRA dropout would draw per client, so with it the clients run in the loop (``executor._blocker``)
+        self.stacked_blocker = "LoRA dropout runs one client at a time" if lora_dropout > 0 else None
+        #: scoring stacks whole client models (one base copy per client): evaluation runs in the loop
+        self.stacked_scoring_blocker = "a LoRA network scores one client at a time"
+        #: said in the executor's decision when the stacked path trains this network
+        self.stacked_note = "LoRA adapters stacked over one frozen base"
         #: checkpoints hold the adapters and the head only; the frozen base is rebuilt from its source on resume
         #: (``engine.checkpoint``: a fingerprint of each base tensor refuses another base)
         self.checkpoint_frozen = False
         #: the transformer's buffers (position and token-type ids) are constants: never uploaded nor sent
-        self.constant_buffers = tuple(f"body.{n}" for n, _ in body.named_buffers())
+        self.constant_buffers = tuple(f"body.{n}" for n, _ in self.body.named_buffers())
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -259,3 +280,10 @@ class LoRAClassifier(SplitModel):
 
     def adapter_weights(self, weights: Mapping[str, Tensor | float]) -> contextlib.AbstractContextManager[None]:
         return self.body.adapter_weights(weights)
+
+    def stacked_forward(self, params: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """K clients' logits ``[K, B, C]`` on ``x`` ``[K, B, L]`` with their stacked adapters and heads over the one
+        frozen base: ``models.stacked_lora.stacked_forward`` (the engine's stacked step calls it)."""
+        from fl_lightning.models.stacked_lora import stacked_forward
+
+        return stacked_forward(self, params, x)

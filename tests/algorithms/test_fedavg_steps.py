@@ -3,18 +3,22 @@ replay of the client's shuffle, the straggler cap, the reported loss, the defaul
 
 from __future__ import annotations
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
 
 from fl_lightning.algorithms import FedAvgSteps
 from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, loss_fn_for
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import LinearRepresentation
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context
+from tests.helpers.linear_tasks import engine_data
+from tests.helpers.training import fit
 
 D, K, N, BS, LR = 3, 2, 5, 2, 0.1
 
@@ -74,3 +78,21 @@ def test_fedavg_steps_default_is_one_epoch_of_500_samples_at_batch_10():
     FedAvgSteps(local_steps=1)
     with pytest.raises(ConfigError):
         FedAvgSteps(local_steps=0)
+
+
+@pytest.mark.parametrize("tau", [1, 3])
+def test_fedavg_steps_takes_exactly_tau_local_steps(tau):
+    """One client, full-batch minibatches, no momentum: one round of FedAvgSteps = τ GD steps on ½·mse."""
+    dm, fed, x, y = engine_data(1, 4, 2, 12)
+    L.seed_everything(2)
+    net = LinearRepresentation(4, 2)
+    ref = [p.detach().clone().requires_grad_() for p in (net.body.weight, net.head.weight)]
+    module = FederatedModule(FedAvgSteps(tau), net, lr=0.05, momentum=0.0, batch_size=12, eval_last=1)
+    fit(module, dm, rounds=1, seed=2)
+    xs, ys = fed.train.x.float(), fed.train.y.float()  # the engine casts the float64 data to the network dtype
+    for _ in range(tau):
+        loss = 0.5 * ((xs @ ref[0].T @ ref[1].T).squeeze(-1) - ys).square().mean()
+        grads = torch.autograd.grad(loss, ref)
+        ref = [(p - 0.05 * g).detach().requires_grad_() for p, g in zip(ref, grads)]
+    assert_close_finite(net.body.weight.detach(), ref[0].detach(), rtol=1e-5, atol=1e-6)
+    assert_close_finite(net.head.weight.detach(), ref[1].detach(), rtol=1e-5, atol=1e-6)

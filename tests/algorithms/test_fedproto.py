@@ -86,7 +86,7 @@ def test_fedproto_uploads_only_prototypes_and_the_held_classes_or_the_label_hist
     """What crosses the boundary, as the ledger sees it: per-class feature sums [classes, features] and per-class
     weights: a 0/1 flag per held class (``client``, the sums are then the prototypes) or the client's label
     histogram (``count``); the ledger counts only the sums as state-dependent bytes."""
-    from fl_lightning.engine.ledger import CommunicationLedger
+    from fl_lightning.engine.aggregation import CommunicationLedger
 
     seen = []
     monkeypatch.setattr(CommunicationLedger, "global_observers", [lambda led, r, c, t: seen.append((c, dict(t)))])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.algorithms.ffa_lora import FFALoRA
-from fl_lightning.engine.ledger import CommunicationLedger
+from fl_lightning.engine.aggregation import CommunicationLedger
 from tests.helpers.lora_refs import assert_close, context, params_of, prepared, reference_sgd
 from tests.helpers.lora_runs import module, text_data
 from tests.helpers.tiny_lora import tiny_net, token_batch

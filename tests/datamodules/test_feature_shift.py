@@ -127,3 +127,49 @@ def test_apply_accepts_3d_images_and_refuses_2d_rows() -> None:
     flat = ClientSplit(x.reshape(3, 4), split.y, ptr)
     with pytest.raises(ConfigError, match="image tensors"):
         shift.apply(FederatedData(flat, flat, 2), torch.tensor([0, 1]))
+
+
+def test_rotations_move_a_known_pixel_clockwise():
+    img = torch.zeros(1, 1, 6, 6)
+    img[0, 0, 1, 4] = 1.0  # row 1, column 4
+    n = 6
+    expected = {90: (4, n - 1 - 1), 180: (n - 1 - 1, n - 1 - 4), 270: (n - 1 - 4, 1), 0: (1, 4)}
+    for rotation, (r, c) in expected.items():
+        out = affine_shift(img, rotation, 0.0)[0, 0]
+        assert out.sum() == 1 and out[r, c] == 1, rotation
+
+
+def test_clockwise_shear_tilts_a_vertical_stroke_to_the_right_at_the_top():
+    n, col = 33, 16
+    img = torch.zeros(1, 1, n, n)
+    img[0, 0, :, col] = 1.0
+    for shear in (3.0, 6.0, 9.0):
+        out = affine_shift(img, 0.0, shear)[0, 0]
+        rows = torch.arange(4, n - 4)  # away from the border
+        centroid = (out[rows] * torch.arange(n)).sum(1) / out[rows].sum(1)
+        expected = col - math.tan(math.radians(shear)) * (rows - (n - 1) / 2)
+        assert_close_finite(centroid, expected.float(), rtol=0, atol=0.05)
+
+
+def test_feature_shift_applies_each_clients_group_to_its_train_and_test_images():
+    img = torch.zeros(1, 1, 9, 9)
+    img[0, 0, 1:7, 2] = 1.0
+    img[0, 0, 6, 2:6] = 1.0  # an "L"
+    x = img.repeat(8, 1, 1, 1)
+    ptr = torch.tensor([0, 2, 4, 6, 8])
+    split = ClientSplit(x, torch.zeros(8, dtype=torch.long), ptr)
+    fed = FederatedData(split, ClientSplit(x.clone(), split.y, ptr), 10)
+    shift = FeatureShift()
+    groups = shift.assign_groups(4, np.random.default_rng(0))
+    assert sorted(groups.tolist()) == [0, 1, 2, 3]  # balanced
+    out = shift.apply(fed, groups)
+    paper = {0: (90, 3), 1: (180, 6), 2: (270, 9), 3: (0, 0)}
+    for c, g in enumerate(groups.tolist()):
+        rotation, shear = paper[g]
+        want = torch.rot90(img, -rotation // 90, dims=(2, 3))
+        if shear:
+            want = affine_shift(want, 0.0, shear)
+        for split_ in (out.train, out.test):
+            xc, _ = split_.client(c)
+            assert_close_finite(xc, want.expand(2, 1, 9, 9))
+    assert torch.equal(out.extras["shift_group"], groups)

@@ -8,6 +8,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -205,6 +206,70 @@ def test_new_clients_are_evaluated_through_the_held_out_client_path(name):
         assert abs(acc - sum(accs) / 5) < 1e-5
 
 
+@pytest.mark.parametrize("executor", ["sequential", "vectorized"])
+def test_new_clients_are_evaluated_on_their_own_data_and_the_runs_data_stays(
+    executor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evaluate_new_clients`` hands the held-out clients' data to the evaluation instead of swapping the run's:
+    ``module.fed`` and ``module.client_scores`` are the same objects while every new client's context is built and
+    afterwards, holding the same values. Each new client's numbers are a plain-torch "+FT" here: FedAvg keeps no
+    personal state, so a new client starts from the global model and fine-tunes its head for 3 full-batch heavy-ball
+    epochs on its own training rows (on both paths: the loop's contexts and the stacked heads of
+    ``_finetune_heads``)."""
+    torch.manual_seed(0)
+    module = FederatedModule(
+        FedAvg(), DigitsMLP(hidden=(16,)), lr=LR, momentum=MOMENTUM, batch_size=FULL_BATCH, eval_every=1,
+        new_client_finetune=FineTune(epochs=3, prefixes=("head.",)), executor=executor,
+    )  # fmt: skip
+    fit(module, DigitsDataModule(num_clients=10, partition=Shards(2), clients_per_round=4, seed=0), rounds=2)
+    new = DigitsDataModule(num_clients=5, partition=Shards(2), seed=7)
+    new.setup()
+    fed, scores = module.fed, module.client_scores
+    train_x, test_y = fed.train.x.clone(), fed.test.y.clone()
+    before = {k: getattr(scores, k).clone() for k in ("correct", "total", "loss_sum")}
+    assert float(before["total"].sum()) > 0  # the run's last evaluation is in them
+
+    seen: list[bool] = []  # at every context built for a new client: the run still holds its own data and scores
+
+    def spy(build: Callable) -> Callable:
+        def built(run: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(run.fed is fed and run.client_scores is scores and kwargs.get("fed") is not fed)
+            return build(run, *args, **kwargs)
+
+        return built
+
+    monkeypatch.setattr(evaluation, "client_context", spy(evaluation.client_context))
+    monkeypatch.setattr(evaluation, "vector_context", spy(evaluation.vector_context))
+    result = module.evaluate_new_clients(1, new.federated)
+    assert seen and all(seen)
+
+    assert module.fed is fed and module.client_scores is scores
+    assert fed.num_clients == 10 and torch.equal(fed.train.x, train_x) and torch.equal(fed.test.y, test_y)
+    for k, v in before.items():
+        assert torch.equal(getattr(scores, k), v), k
+    glob = {n: t.detach().clone().double() for n, t in module.global_params().items()}
+    head = ["head.weight", "head.bias"]
+
+    def forward(p: dict[str, Tensor], x: Tensor) -> Tensor:
+        hidden = torch.relu(x.flatten(1).double() @ p["body.fc1.weight"].T + p["body.fc1.bias"])
+        return hidden @ p["head.weight"].T + p["head.bias"]
+
+    for c in range(5):
+        x, y = new.federated.train.client(c)
+        p, buf = dict(glob), {}
+        for _ in range(3):  # torch.optim.SGD(momentum) written out, full batch
+            q = {**p, **{n: p[n].clone().requires_grad_(True) for n in head}}
+            g = dict(zip(head, torch.autograd.grad(F.cross_entropy(forward(q, x), y), [q[n] for n in head])))
+            for n in head:
+                buf[n] = g[n] if n not in buf else MOMENTUM * buf[n] + g[n]
+                p[n] = p[n] - LR * buf[n]
+        xt, yt = new.federated.test.client(c)
+        logits = forward(p, xt)
+        acc = float((logits.argmax(-1) == yt).double().mean())
+        assert float(result["acc_per_client"][c]) == pytest.approx(acc, abs=1e-9), c
+        assert float(result["loss_per_client"][c]) == pytest.approx(float(F.cross_entropy(logits, yt)), rel=1e-4), c
+
+
 class _Context:
     def __init__(self, clients: list[int], calls: list[dict]) -> None:
         self.clients, self.calls = clients, calls
@@ -225,9 +290,13 @@ class _Module:
     def __init__(self) -> None:
         self.net = nn.Linear(1, 1)
         self.calls: list[dict] = []
+        self.evaluated = SimpleNamespace(name="the evaluated clients' data")  #: what ``_finetune_heads`` is handed
 
-    def vector_context(self, clients: list[int], round_idx: int, budgets: list[float], tag: str = "train") -> _Context:
+    def vector_context(
+        self, clients: list[int], round_idx: int, budgets: list[float], tag: str = "train", fed: Any = None
+    ) -> _Context:
         assert tag == "evaluation" and round_idx == 4 and len(budgets) == len(clients)
+        assert fed is self.evaluated  # the contexts are built on the data being evaluated, not the run's
         return _Context(clients, self.calls)
 
 
@@ -251,7 +320,7 @@ def _glob() -> dict[str, Tensor]:
 
 def _check(clients: list[int]) -> _Module:
     module, heads = _Module(), _heads(clients)
-    out = _finetune_heads(module, clients, _glob(), heads, 4, FineTune(epochs=3, prefixes=("head.",)))
+    out = _finetune_heads(module, clients, _glob(), heads, 4, FineTune(epochs=3, prefixes=("head.",)), module.evaluated)
     assert len(out) == len(clients)
     for k, c in enumerate(clients):
         assert sorted(out[k]) == ["head.b", "head.w"]

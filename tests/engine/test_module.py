@@ -347,6 +347,7 @@ def test_hyperparameters_leave_out_objects_and_optimizer_factories() -> None:
         "drop_last",
         "client_state",
         "eval_clients",
+        "compile",
     }
     assert set(module.hparams) == expected
     assert module.hparams["lr"] == 0.01 and module.hparams["batch_size"] == 10

@@ -23,6 +23,7 @@ from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.callbacks import RoundCheckpoint
 from fl_lightning.cli import train_config
 from fl_lightning.client import ClientOptimizer
+from fl_lightning.engine.executor import client_settings
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import loss_fn_for, state_template
@@ -387,7 +388,7 @@ def test_resume_is_exact_with_server_adam_client_adam_kept_state_and_a_schedule(
         assert torch.equal(p, q), n
     for n in full.bank.names:
         assert torch.equal(resumed.bank.row(n), full.bank.row(n)), n
-    assert resumed.round_optimizers.client_settings().lr == full.round_optimizers.client_settings().lr == 0.003 / 4
+    assert client_settings(resumed).lr == client_settings(full).lr == 0.003 / 4
 
 
 # ---- configs/server/*.yaml ----------------------------------------------------------------------------------------

@@ -130,3 +130,14 @@ def test_a_plan_with_a_cap_per_client_and_each_clients_last_epoch() -> None:
     assert plan.host_last_epoch == [3, 2, 0]
     assert plan.last_epoch is not None and plan.last_epoch.tolist() == [3, 2, 0]
     assert plan.lengths == [[2, 2, 1, 2], [2, 1, 2, 1], []]
+
+
+def test_a_batch_size_above_every_clients_data_pads_only_to_the_longest_minibatch() -> None:
+    """Batch size 10 000 (full-batch training) over clients of 3 and 5 samples: one step each, 5 columns (client 0's
+    last two padding), not 10 000: a stacked transformer step runs the cohort's real rows, not the batch size."""
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    plan = plan_phase([3, 5], [0, 3], gens, [1.0, 1.0], None, 1, 10_000, 1, None, CPU)
+    perms = [torch.randperm(3, generator=torch.Generator().manual_seed(1)),
+             torch.randperm(5, generator=torch.Generator().manual_seed(2)) + 3]  # fmt: skip
+    assert plan.rows.shape == (1, 2, 5) and plan.lengths == [[3], [5]]
+    assert plan.rows[0, 0].tolist() == [*perms[0].tolist(), -1, -1] and plan.rows[0, 1].tolist() == perms[1].tolist()

@@ -76,8 +76,6 @@ def test_a_relu_after_a_linear_layer_runs_in_place_without_the_module() -> None:
     assert_close_finite(got, hidden @ params["2.weight"].T + params["2.bias"], rtol=1e-6, atol=1e-7)
 
 
-
-
 # ---- _max_pool ---------------------------------------------------------------------------------------------------
 POOLS = {
     "int_2x2": dict(kernel_size=2, stride=2),
@@ -283,8 +281,6 @@ def test_stacked_forward_of_a_split_model_equals_each_clients_forward() -> None:
         assert_close_finite(got[k], plain_forward(net, unstack(params, k), x[k]), rtol=1e-5, atol=1e-6)
 
 
-
-
 Params = dict[str, Tensor]
 
 
@@ -427,3 +423,36 @@ def test_relu_net_gradient_through_flattens_inside_the_network_is_each_clients_a
             for n in trainable:
                 assert_close_finite(grads[n][c], expected[n], rtol=1e-10, atol=1e-12, msg=f"{trainable} {c} {n}")
     assert losses[1].item() > 0 and losses[2].item() == 0.0
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Tanh, nn.Sigmoid, nn.GELU])
+@pytest.mark.parametrize("task", ["classification", "regression"])
+def test_stacked_mlp_gradients_equal_each_clients_own(act, task):
+    """One batched forward of K clients' MLPs, autograd on the sum of their losses: client c's gradient is the one
+    of its own loss alone (plain autograd, one client at a time)."""
+    torch.manual_seed(0)
+    out_dim = 4 if task == "classification" else 1
+    net = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), act(), nn.Linear(5, out_dim))
+    if task == "regression":
+        net.append(nn.Flatten(0))  # [B, 1] → [B]: one output per sample
+    assert stackable(net)
+    k, b = 3, 5
+    params = {n: torch.randn(k, *p.shape) for n, p in net.named_parameters()}
+    x = torch.randn(k, b, 2, 3)
+    y = torch.randint(0, 4, (k, b)) if task == "classification" else torch.randn(k, b)
+    mask = torch.ones(k, b)
+    mask[1, 3:] = 0  # a short last batch
+    loss = per_sample_loss_for(4 if task == "classification" else None)
+    leaves = {n: v.clone().requires_grad_(True) for n, v in params.items()}
+    out = stacked_forward(net, leaves, x)
+    losses = (loss(out.flatten(0, 1), y.flatten(0, 1)).view(k, b) * mask).sum(1) / mask.sum(1)
+    grads = dict(zip(leaves, torch.autograd.grad(losses.sum(), list(leaves.values()))))
+    for c in range(k):  # the reference: client c alone, plain autograd
+        own = {n: v[c].clone().requires_grad_(True) for n, v in params.items()}
+        m = mask[c].bool()
+        pred = functional_call(net, own, (x[c][m],))
+        ref = F.cross_entropy(pred, y[c][m]) if task == "classification" else (0.5 * (pred - y[c][m]) ** 2).mean()
+        ref_grads = torch.autograd.grad(ref, list(own.values()))
+        assert_close_finite(losses[c], ref.detach(), rtol=1e-5, atol=1e-6)
+        for n, g in zip(own, ref_grads):
+            assert_close_finite(grads[n][c], g, rtol=1e-5, atol=1e-6, msg=n)

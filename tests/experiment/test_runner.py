@@ -1,7 +1,7 @@
-"""The experiment runner (``python -m fl_lightning.experiment``): grids, validation, skip/resume, compare, sweeps.
-
-Training runs here are tiny (digits, 3-12 rounds); the full grids (configs/experiments/*.yaml) are only expanded
-and parsed.
+"""The experiment runner (``fl_lightning/experiment/runner.py``, through ``python -m fl_lightning.experiment``):
+grids run, skip/resume, compare, sweeps, workers (the file format, validation and the command line's refusals have
+their own files). Training runs here are tiny (digits, 3-12 rounds); the full grids (configs/experiments/*.yaml) are
+only expanded and parsed.
 """
 
 from __future__ import annotations
@@ -19,123 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from fl_lightning.experiment.__main__ import main
-from fl_lightning.experiment.spec import load_experiment, parse_experiment
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-DIGITS = str(ROOT / "configs" / "digits")
-
-
-def write_experiment(folder: Path, data: dict) -> Path:
-    path = folder / "exp.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-def tiny(name: str = "tiny", rounds: int = 3, seeds=(0, 1), **more) -> dict:
-    """2 methods × len(seeds) seeds on digits, ``rounds`` rounds, W&B off."""
-    data = {
-        "name": name,
-        "configs": [f"{DIGITS}/base.yaml"],
-        "axes": {
-            "method": {"fedavg": f"{DIGITS}/fedavg.yaml", "fedrep": f"{DIGITS}/fedrep.yaml"},
-            "dataset": {"digits": None},
-            "seed": list(seeds),
-        },
-        "set": {"trainer.max_steps": rounds, "checkpoint_every": 2, "trainer.enable_progress_bar": False},
-        "wandb": {"mode": "disabled"},
-    }
-    data.update(more)
-    return data
-
-
-def test_axes_expand_into_named_runs_with_their_arguments(tmp_path):
-    data = {
-        "name": "grid",
-        "configs": [f"{DIGITS}/base.yaml"],
-        "axes": {
-            "method": {"fedavg": {"config": f"{DIGITS}/fedavg.yaml"}, "fedrep": {"config": [f"{DIGITS}/fedrep.yaml"],
-                                                                               "model.lr": 0.05}},
-            "model.momentum": [0.0, 0.9],
-            "seed": [3, 4],
-        },
-        "set": {"trainer.max_steps": 7, "model.lr": 0.02},
-        "wandb": {"project": "p", "tags": ["extra"]},
-    }  # fmt: skip
-    experiment = parse_experiment(data, runs_dir=tmp_path)
-    runs = experiment.runs(extra=["--trainer.max_steps=2"])
-    assert [r.wandb_name for r in runs] == [
-        f"{m}-momentum={v}-s{s}" for m in ("fedavg", "fedrep") for v in ("0.0", "0.9") for s in (3, 4)
-    ]
-    assert len({r.run_dir for r in runs}) == 8
-    run = runs[7]  # fedrep, momentum 0.9, seed 4
-    assert run.run_dir == tmp_path / "grid" / "fedrep" / "momentum=0.9" / "s4"
-    assert run.job_type == "fedrep" and run.seed == 4
-    assert run.tags == ["method:fedrep", "model.momentum:0.9", "seed:4", "extra"]
-    args = run.args()
-    # configs first (file's, then the axis'), then `set`, the axis overrides, the seed, the command line's --set
-    assert args[:4] == ["--config", f"{DIGITS}/base.yaml", "--config", f"{DIGITS}/fedrep.yaml"]
-    assert args[4:10] == [
-        "--trainer.max_steps=7",
-        "--model.lr=0.02",
-        "--model.lr=0.05",
-        "--model.momentum=0.9",
-        "--seed_everything=4",
-        "--trainer.max_steps=2",
-    ]
-    assert "--wandb.group=grid" in args and "--wandb.job_type=fedrep" in args and "--wandb.project=p" in args
-    assert run.command().startswith("python train.py --config ")
-
-
-def test_the_repository_experiment_files_expand_and_parse():
-    """Every file in configs/experiments/ loads; the digits ones pass train.py's parser (data on disk is not
-    needed to parse, so the real-data columns are parsed too)."""
-    from fl_lightning.experiment.validation import validate_runs
-
-    files = sorted((ROOT / "configs" / "experiments").glob("*.yaml"))
-    names = {f.stem for f in files}
-    assert {"table1_digits", "quick_digits", "perfedsi_digits", "table1_cifar10_100x2"} <= names
-    for f in files:
-        experiment = load_experiment(f)
-        runs = experiment.runs()
-        seeds = [p.value for p in experiment.axes["seed"]]
-        assert len(seeds) >= (2 if f.stem == "quick_digits" else 3), f
-        resolved = validate_runs(experiment, runs)
-        assert len(resolved) == len(runs) == len({r.wandb_name for r in runs})
-    table1 = load_experiment(ROOT / "configs" / "experiments" / "table1_digits.yaml")
-    assert len(table1.axes["method"]) == 15 and len(table1.runs()) == 45
-
-
-BAD = {
-    "unknown key": ({"nme": "x"}, "nme: unknown key"),
-    "missing config": ({"configs": ["configs/nope.yaml"]}, "configs[0]: config file configs/nope.yaml does not exist"),
-    "seed that is no integer": ({"axes": {"seed": [0, "one"]}}, "axes.seed: 'one' is not an integer seed"),
-    "unknown override key": ({"set": {"model.learning_rate": 0.1}}, "learning_rate"),
-    "override of the wrong type": ({"set": {"model.lr": "fast"}}, "model.lr"),
-    "unknown wandb key": ({"wandb": {"group": "g"}}, "wandb.group: unknown key"),
-    "bad axis value": ({"axes": {"method": {"fedavg": 3}}}, "axes.method.fedavg: expected a config path"),
-    "300-character name": ({"name": "x" * 300}, "name: at most 100 characters"),  # was a chained traceback
-    "report metric typo": ({"report": {"metrics": ["last10", "final_worst"]}},
-                           "report.metrics: 'final_worst' is not a summary.json figure; did you mean final_worst10?"),
-    "report curve without a key": ({"report": {"curve": "acc_mean"}}, "report.curve: expected a metrics.csv column"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD))
-def test_a_bad_experiment_file_stops_before_any_run(case, tmp_path, capsys):
-    change, expected = BAD[case]
-    data = tiny()
-    data.update(change)
-    path = write_experiment(tmp_path, data)
-    assert main(["run", str(path), "--runs-dir", str(tmp_path / "runs")]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: {path}") and expected in lines[0], err
-    assert not (tmp_path / "runs").exists()
+from tests.helpers.experiment_files import DIGITS, ROOT, tiny, write_experiment
 
 
 def last10_from_csv(run_dir: Path) -> float:
@@ -333,45 +219,6 @@ def test_compare_reads_a_wandb_group_through_the_public_api(tmp_path, monkeypatc
     records = json.loads((out_dir / "results.json").read_text())
     assert {(r["method"], r["seed"]) for r in records if r["metric"] == "acc_last10"} == {
         ("fedavg", 0), ("fedavg", 1), ("fedrep", 0)}  # fmt: skip
-
-
-def agent_command(sweep: dict, values: dict) -> list[str]:
-    """The command line ``wandb agent`` runs for one trial, built with wandb's own helpers as the agent does."""
-    from wandb.sdk.launch.sweeps import utils
-
-    sweep_vars = utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in values.items()}})
-    sweep_vars.update(interpreter=["python"], program=[sweep["program"]], env=["/usr/bin/env"])
-    command = []
-    for c in utils.create_sweep_command(list(sweep["command"])):
-        c = str(c)
-        command += sweep_vars.get(c[2:-1]) or [] if c.startswith("${") and c.endswith("}") else [c]
-    return command
-
-
-def test_train_py_accepts_the_arguments_a_sweep_agent_sends():
-    from fl_lightning.experiment.validation import parse_train_args
-
-    for path in sorted((ROOT / "configs" / "sweeps").glob("*.yaml")):
-        sweep = yaml.safe_load(path.read_text())
-        assert sweep["program"] == "train.py" and "${args}" in sweep["command"]
-        for pick in (0, -1):
-            values = {k: (p["values"][pick] if "values" in p else p["min" if pick == 0 else "max"])
-                      for k, p in sweep["parameters"].items()}  # fmt: skip
-            command = agent_command(sweep, values)
-            assert command[:3] == ["/usr/bin/env", "python", "train.py"]
-            assert [a for a in command if a.startswith("--") and "=" in a][-len(values):] == [
-                f"--{k}={v}" for k, v in values.items()]  # fmt: skip
-            cwd = os.getcwd()
-            os.chdir(ROOT)  # the agent runs from the repository root
-            try:
-                config = parse_train_args(command[3:])
-            finally:
-                os.chdir(cwd)
-            for key, value in values.items():
-                node = config
-                for part in key.split("."):
-                    node = node[part]
-                assert node == value, (path.name, key)
 
 
 def test_offline_wandb_gets_one_named_grouped_tagged_run_per_point(tiny_grid):

@@ -1,6 +1,6 @@
 """``python -m experiments leaderboard`` (issue 44) on a tiny experiment of the same shape (2 methods, 2 rounds,
 2 seeds, 10 clients): the CSV's figures recomputed from the runs' summaries, a second run from a clean runs dir
-writes the same CSV (``--check``), the ordering checks, and the benchmark's data (``DigitsGroupShiftDataModule``)."""
+writes the same CSV (``--check``), the ordering checks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from experiments import leaderboard
@@ -82,24 +81,6 @@ def test_ordering_says_which_pairs_are_separated_by_two_standard_deviations():
         "FedRep > Local Only (gap 10.00, 2 std 4.00)",
         "Ditto ≈ Local Only (gap 3.00, 2 std 4.00)",
     ]
-
-
-def test_group_shift_permutes_each_groups_labels_and_keeps_group_zero():
-    from datamodules import DigitsGroupShiftDataModule, Dirichlet
-
-    dm = DigitsGroupShiftDataModule(num_clients=12, partition=Dirichlet(1.0, min_samples=5), seed=3)
-    dm.setup("fit")
-    fed, plain = dm.federated, dm.base.federated
-    groups, perms = fed.extras["shift_group"], fed.extras["label_permutations"]
-    assert perms.shape == (4, 10) and torch.equal(perms[0], torch.arange(10))
-    assert all(sorted(p.tolist()) == list(range(10)) for p in perms) and len({tuple(p.tolist()) for p in perms}) == 4
-    assert sorted(torch.bincount(groups, minlength=4).tolist()) == [3, 3, 3, 3]
-    for split, before in ((fed.train, plain.train), (fed.test, plain.test)):
-        assert torch.equal(split.x, before.x) and torch.equal(split.ptr, before.ptr)  # no rotation: images as they are
-        for c in range(12):
-            _, y = split.client(c)
-            _, y0 = before.client(c)
-            assert torch.equal(y, perms[groups[c]][y0])
 
 
 def test_the_timing_run_gets_the_runs_training_arguments_only(tmp_path):

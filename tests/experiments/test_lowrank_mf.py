@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.lowrank import LowRankDataModule, load_celeba, load_mnist, load_w8a, synthetic_lowrank
+from datamodules.lowrank import LowRankDataModule, synthetic_lowrank
 from experiments import lowrank_mf as lm
 from fl_lightning.algorithms import AlternatingGD, PowerInitLocalGD
 from fl_lightning.algorithms.lowrank_power import exact_solution, local_gd, mf_loss, optimal_loss
@@ -46,16 +46,6 @@ def np_gd(s: np.ndarray, v: np.ndarray, u: np.ndarray, steps: int, nesterov: boo
 def kappa_np(v: np.ndarray) -> float:
     sv = np.linalg.svd(v, compute_uv=False)
     return sv[0] / sv[-1]
-
-
-def test_synthetic_matrix_spectrum(clean, noisy):
-    sv = np.linalg.svd(clean.numpy(), compute_uv=False)
-    assert clean.shape == (N * ROWS, D) and clean.dtype == torch.float64
-    assert_close_finite(sv[:5], 1.0, rtol=1e-5, atol=1e-8)
-    assert sv[5] < 1e-12
-    fmin = optimal_loss(noisy, R)
-    assert fmin == pytest.approx(0.5 * np.sum(np.linalg.svd(noisy.numpy(), compute_uv=False)[5:] ** 2))
-    assert fmin == pytest.approx(0.5 * (N * ROWS - R) * (D - R) * 1e-12, rel=0.1)  # ½ E‖noise off the signal‖²
 
 
 def test_exact_solution_is_least_squares(noisy):
@@ -166,43 +156,6 @@ def test_engine_alternating_gd_against_numpy():
         v = v - eta * (u @ v.T - sn).T @ u
     assert_close_finite(module.net.V.detach().numpy(), v, rtol=1e-5, atol=1e-10)
     assert_close_finite(module.bank.row("U").reshape(-1, 3).numpy(), u, rtol=1e-5, atol=1e-10)
-
-
-def test_loaders_read_real_formats(tmp_path):
-    rng = np.random.default_rng(0)
-    lines = ["+1 3:0.5 7:1", "-1 1:2 300:1", "+1 2:1"]
-    (tmp_path / "w8a").write_text("\n".join(lines) + "\n")
-    w = load_w8a(tmp_path / "w8a")
-    assert w.shape == (3, 300) and w[0, 2] == 0.5 and w[1, 299] == 1 and w.sum() == 5.5
-    images = rng.integers(0, 256, size=(12, 28, 28), dtype=np.uint8)
-    labels = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], dtype=np.uint8)
-    (tmp_path / "train-images-idx3-ubyte").write_bytes(
-        (2051).to_bytes(4, "big") + b"".join(v.to_bytes(4, "big") for v in (12, 28, 28)) + images.tobytes()
-    )
-    (tmp_path / "train-labels-idx1-ubyte").write_bytes(
-        (2049).to_bytes(4, "big") + (12).to_bytes(4, "big") + labels.tobytes()
-    )
-    x, y = load_mnist(tmp_path, max_rows=10)
-    assert x.shape == (10, 784) and torch.equal(y, torch.as_tensor(labels[:10].astype(np.int64)))
-    assert_close_finite(x.numpy(), images[:10].reshape(10, -1) / 127.5 - 1, rtol=1e-5, atol=1e-8)
-    from PIL import Image
-
-    (tmp_path / "img_align_celeba").mkdir()
-    ident = []
-    for i in range(4):
-        Image.fromarray(rng.integers(0, 256, size=(218, 178, 3), dtype=np.uint8)).save(
-            tmp_path / "img_align_celeba" / f"{i:06d}.png"
-        )
-        ident.append(f"{i:06d}.png {1 + i % 2 if i < 3 else 7}")
-    (tmp_path / "identity_CelebA.txt").write_text("\n".join(ident) + "\n")
-    cx, owner = load_celeba(tmp_path, num_clients=2)
-    assert cx.shape == (3, 3 * 32 * 32) and owner.tolist() == [0, 1, 0]
-    dm = LowRankDataModule("w8a", num_clients=2, dim=300, path=str(tmp_path / "w8a"))
-    dm.setup()
-    assert dm.federated.train.sizes.tolist() == [2, 1]
-    digits = LowRankDataModule("digits", num_clients=10, dim=64)
-    digits.setup()
-    assert digits.federated.train.y.shape == (1797, 64) and digits.federated.train.y.min() >= -1
 
 
 def test_bad_configs_fail_with_one_line(tmp_path):

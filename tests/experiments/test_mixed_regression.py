@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from datamodules.mixed_regression import (
-    SETTINGS,
     MixedRegressionDataModule,
-    clustering_error,
     mixed_regression_problem,
-    permutation_distance,
 )
 from experiments import mixed_regression as mr
 from fl_lightning.algorithms import IFCA, FedMD, OneShotClustering
@@ -54,35 +51,6 @@ SMALL_FEDMD_ARGS = [
 
 def small_problem(seed: int = 0, dim: int = 6, noise: float = 0.1) -> dict:
     return mixed_regression_problem(SMALL_SIZES, SMALL_PROBS, dim, noise, torch.Generator().manual_seed(seed))
-
-
-def test_settings_match_the_spec():
-    for name, (sizes, probs) in SETTINGS.items():
-        n = np.array(sizes, dtype=float)
-        chi2 = len(n) * ((n / n.sum()) ** 2).sum() - 1
-        assert n.sum() == 10_000 and len(probs) == 3
-        assert chi2 == pytest.approx(0.0 if name == "C1" else 0.288, abs=1e-3)
-    assert len(SETTINGS["C2"][0]) == 920 and SETTINGS["C3"][1] == [0.2, 0.3, 0.5]
-
-
-def test_data_follow_the_model():
-    p = mixed_regression_problem([200] * 6, [0.5, 0.5], 4, 0.0, torch.Generator().manual_seed(3))
-    for c in range(6):
-        lo, hi = int(p["ptr"][c]), int(p["ptr"][c + 1])
-        pred = p["x"][lo:hi] @ p["theta_star"][p["labels"][c]]
-        assert_close_finite(pred, p["y"][lo:hi], rtol=1e-5, atol=1e-8)
-
-
-def test_permutation_distance_and_clustering_error_against_brute_force():
-    rng = np.random.default_rng(0)
-    star, est = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
-    ref = min(max(np.linalg.norm(est[p[j]] - star[j]) for j in range(3)) for p in itertools.permutations(range(3)))
-    d, perm = permutation_distance(torch.tensor(est), torch.tensor(star))
-    assert d == pytest.approx(ref)
-    labels = torch.tensor([0, 1, 2, 2])
-    assigned = torch.tensor(perm)[labels]
-    assigned[0] = (assigned[0] + 1) % 3
-    assert clustering_error(assigned, labels, perm) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("solver", ["gd", "prox"])

@@ -20,8 +20,6 @@ import pytest
 import torch
 
 from datamodules import LowRankDataModule, MixedRegressionDataModule, SyntheticLinearDataModule
-from datamodules.lowrank import resolve_spectrum
-from datamodules.mixed_regression import parse_sizes
 from fl_lightning.algorithms import LinearFedAvg, LinearFedRep
 from fl_lightning.algorithms.linear_fedrep import orthonormalize
 from fl_lightning.cli import main, train_config
@@ -29,7 +27,7 @@ from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import ClientSampler, make_generator
 from fl_lightning.errors import ConfigError
 from fl_lightning.metrics import cluster_model_distance
-from fl_lightning.models import ClusteredLinear, LinearRepresentation, LowRankFactors
+from fl_lightning.models import LinearRepresentation, LowRankFactors
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context
 from tests.helpers.training import fit
@@ -51,32 +49,6 @@ MF = dict(num_clients=4, rows_per_client=30, dim=12, rank=3, noise=1e-3)
 
 
 MF_ARGS = [f"--data.init_args.{k}={v}" for k, v in MF.items()] + ["--model.algorithm.init_args.sketches=1"]
-
-
-def test_lowrank_spectrum_forms_and_validation():
-    for spec, expected in (
-        ({"linspace": [1, 0.5]}, np.linspace(1, 0.5, 3)),
-        ({"geomspace": [1, 0.25]}, np.geomspace(1, 0.25, 3)),
-        ([3.0, 2.0, 0.5], [3.0, 2.0, 0.5]),
-        (None, np.ones(3)),
-    ):
-        dm = LowRankDataModule("synthetic", **{**MF, "noise": 0.0}, singular_values=spec, seed=1)
-        dm.setup()
-        sv = np.linalg.svd(dm.federated.train.y.numpy(), compute_uv=False)
-        assert_close_finite(sv[:3], sorted(expected, reverse=True), rtol=1e-12, atol=0)
-        assert sv[3] < 1e-12
-    for bad, match in (
-        ([1.0, 0.5], "2 values for rank 3"),
-        ({"linspace": [1, 0]}, "positive"),
-        ({"logspace": [1, 2]}, "linspace"),
-        ([1.0, -1.0, 2.0], "positive"),
-    ):
-        with pytest.raises(ConfigError, match=match):
-            resolve_spectrum(bad, 3)
-    with pytest.raises(ConfigError, match="rank"):
-        LowRankDataModule("synthetic", num_clients=2, rows_per_client=3, dim=12, rank=7)
-    with pytest.raises(ConfigError, match="columns"):
-        LowRankDataModule("digits", num_clients=10, dim=50).setup()
 
 
 def np_power_gd(s: np.ndarray, alpha: int, phis: list[np.ndarray], u0s: list[np.ndarray], steps: int):
@@ -318,42 +290,6 @@ def test_dimension_set_once_reaches_network_and_contradictions_are_one_line(tmp_
                    "(the network takes it from there)"]  # fmt: skip
 
 
-def test_synthetic_linear_generator_arguments():
-    kw = dict(num_clients=50, dim=6, rank=3, samples_per_client=4, seed=0)
-    for heads, check in (
-        ("fixed_norm", lambda w: np.allclose(np.linalg.norm(w, axis=1), np.sqrt(3))),
-        ("qr", lambda w: np.allclose(w.T @ w, 3 * np.eye(3))),
-        ("gaussian", lambda w: not np.allclose(np.linalg.norm(w, axis=1), np.linalg.norm(w[0]))),
-    ):
-        dm = SyntheticLinearDataModule(**kw, heads=heads)
-        dm.setup()
-        ex = dm.federated.extras
-        assert check(ex["W_star"].numpy()) and ex["B_star"].dtype == torch.float64
-        expected = ex["W_star"].numpy() @ ex["B_star"].numpy().T
-        assert_close_finite(ex["population_target"].numpy(), expected, rtol=1e-12, atol=1e-14)
-    dm = SyntheticLinearDataModule(**kw, head_norm=2.0, noise_variance=0.0, test_noise_variance=0.25)
-    dm.setup()
-    fed = dm.federated
-    assert np.allclose(fed.extras["W_star"].norm(dim=1).numpy(), 2.0)
-    theta = fed.extras["population_target"].numpy()
-    owner = fed.train.client_ids().numpy()
-    assert_close_finite(fed.train.y.numpy(), np.sum(fed.train.x.numpy() * theta[owner], 1), atol=1e-12, rtol=0)
-    noise = fed.test.y.numpy() - np.sum(fed.test.x.numpy() * theta[fed.test.client_ids().numpy()], 1)
-    assert 0.2 < noise.var() < 0.3  # test noise variance 0.25, 2500 draws
-    # new clients: their own stream (the training clients do not change), exact population test split
-    dm2 = SyntheticLinearDataModule(**kw, head_norm=2.0, noise_variance=0.0, test_noise_variance=0.25, new_clients=4)
-    dm2.setup()
-    assert torch.equal(dm2.federated.train.x, fed.train.x) and dm2.new_clients.num_clients == 4
-    v = np.random.default_rng(0).normal(size=6)
-    xt, yt = dm2.new_clients.test.client(1)
-    theta_new = dm2.new_clients.extras["population_target"][1].numpy()
-    assert np.mean((xt.numpy() @ v - yt.numpy()) ** 2) == pytest.approx(np.sum((v - theta_new) ** 2), rel=1e-12)
-    for bad in (dict(rank=7), dict(samples_per_client=0), dict(noise_variance=-1.0), dict(heads="qr", num_clients=2),
-                dict(head_norm=0.0), dict(new_clients=2, new_client_samples=0)):  # fmt: skip
-        with pytest.raises(ConfigError):
-            SyntheticLinearDataModule(**{**kw, **bad})
-
-
 # ---- spec 001: distance with fewer models, oracle start, any setting -------------------------------------------
 def brute_force_distance(est: np.ndarray, star: np.ndarray) -> float:
     """min over injective maps true cluster → model of the largest error (k̂ ≥ k), by enumeration."""
@@ -423,34 +359,6 @@ def test_oracle_starts_from_the_ground_truth(tmp_path):
     with pytest.raises(ConfigError, match="cannot take"):
         cfg = ["configs/mixed_regression/c1.yaml", "configs/mixed_regression/oracle.yaml"]
         train_config(cfg, [*MR, "--model.network.init_args.num_clusters=2", "--trainer.max_steps=1"], tmp_path / "b")
-
-
-def test_mixed_regression_generator_at_any_setting():
-    assert parse_sizes("3x4,2x6") == [4, 4, 4, 6, 6]
-    dm = MixedRegressionDataModule(setting=None, sizes="3x4,2x6", num_clusters=4, dim=7, noise=0.0, theta_scale=2.0)
-    dm.setup()
-    fed = dm.federated
-    assert dm.probs == [0.25] * 4 and fed.train.sizes.tolist() == [4, 4, 4, 6, 6]
-    star, labels = fed.extras["theta_star"].numpy(), fed.extras["labels"].numpy()
-    assert star.shape == (4, 7) and 1.0 < np.linalg.norm(star, axis=1).mean() / np.sqrt(7) < 3.0  # c = 2
-    owner = fed.train.client_ids().numpy()
-    assert_close_finite(fed.train.y.numpy(), np.sum(fed.train.x.numpy() * star[labels[owner]], 1), atol=1e-12, rtol=0)
-    c3 = MixedRegressionDataModule(setting="C3", num_clusters=3)
-    assert c3.probs == [0.2, 0.3, 0.5] and len(c3.sizes) == 920  # a preset keeps its p when k agrees
-    assert MixedRegressionDataModule(setting="C1", num_clusters=5).probs == [0.2] * 5
-    for bad, match in (
-        (dict(setting=None), "sizes"),
-        (dict(setting=None, sizes="10x5"), "probs or num_clusters"),
-        (dict(sizes="10by5"), "COUNTxSIZE"),
-        (dict(probs=[0.5, 0.6]), "distribution"),
-        (dict(probs=[0.5, 0.5], num_clusters=3), "num_clusters=3"),
-        (dict(sizes=[3, 0]), "≥ 1 sample"),
-        (dict(noise=-0.1), "noise"),
-    ):
-        with pytest.raises(ConfigError, match=match):
-            MixedRegressionDataModule(**bad)
-    with pytest.raises(ConfigError, match="dim"):
-        ClusteredLinear(2, None)
 
 
 def test_reproduction_runner_takes_a_custom_setting():

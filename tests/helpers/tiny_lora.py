@@ -28,11 +28,17 @@ def tiny_net(adapters=("default",), rank: int = 4, num_labels: int = 2, seed: in
     torch.manual_seed(seed)
     net = LoRAClassifier(num_labels, config=tiny_config(), adapters=adapters, rank=rank, alpha=2.0 * rank,
                          target_modules=["query", "value"], **kw)  # fmt: skip
-    g = torch.Generator().manual_seed(seed + 1)
+    return draw_lora_b(net, seed + 1)
+
+
+def draw_lora_b(net: torch.nn.Module, seed: int, scale: float = 0.1) -> torch.nn.Module:
+    """Every LoRA B of ``net`` drawn ``scale``·N(0, 1) from ``seed`` (peft starts B at 0, where the adapters would
+    not change the outputs)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in net.named_parameters():
             if ".lora_B." in n:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(scale * torch.randn(p.shape, generator=g))
     return net
 
 

@@ -113,32 +113,43 @@ def test_a_personal_pattern_matching_nothing_is_refused_in_one_line():
     assert "\n" not in str(err.value) and len(str(err.value)) < 1000
 
 
-def test_a_cohort_of_8_trains_on_one_copy_of_the_base(tmp_path):
+@pytest.mark.parametrize("executor", ["sequential", "auto"])
+def test_a_cohort_of_8_trains_on_one_copy_of_the_base(tmp_path, executor):
     """Every client forward of a round reads the network's own base tensors (one storage per base weight; no copy
-    per client), and the trained tensors are the adapters and the head."""
+    per client), and the trained tensors are the adapters and the head. In the loop each client runs alone; on the
+    stacked path (``auto``) the 8 clients run in one ``client_update`` and each base layer multiplies all 8 clients'
+    tokens in one call per minibatch step."""
     net = tiny_net()
     bases = {m: n for n, m in net.named_modules() if n.endswith("base_layer")}
     own = {n: p.data_ptr() for n, p in net.named_parameters() if not p.requires_grad}
     seen: dict[str, set[int]] = {}
+    rows: list[int] = []
 
     def record(mod, args):
         seen.setdefault(bases[mod], set()).add(mod.weight.data_ptr())
+        rows.append(args[0].shape[0])
 
     hooks = [m.register_forward_pre_hook(record) for m in bases]
     calls = []
     original = FedIT.client_update
 
     def counted(self, ctx, glob, state):
-        calls.append(ctx.client)
+        calls.append(list(ctx.clients) if hasattr(ctx, "clients") else [ctx.client])
         return original(self, ctx, glob, state)
 
     FedIT.client_update = counted
     try:
-        run = fit(module(FedIT(), net), text_data(tmp_path, clients=8, train=4), rounds=1, limit_val_batches=0)
+        run = fit(module(FedIT(), net, executor=executor), text_data(tmp_path, clients=8, train=4), rounds=1,
+                  limit_val_batches=0)  # fmt: skip
     finally:
         FedIT.client_update = original
         for h in hooks:
             h.remove()
-    assert sorted(calls) == list(range(8))
+    assert sorted(c for call in calls for c in call) == list(range(8))
+    assert len(calls) == (8 if executor == "sequential" else 1)
+    if executor == "sequential":  # no base call sees more than one client's texts (4 to train, 6 to score)
+        assert max(rows) <= 6
+    else:  # the step: one full batch of 4 texts a client, the cohort's 32 in each base layer's one call
+        assert rows.count(8 * 4) == len(bases), rows
     assert seen and all(ptrs == {own[f"{name}.weight"]} for name, ptrs in seen.items())
     assert all(p.data_ptr() == own[n] for n, p in run.net.named_parameters() if not p.requires_grad)

@@ -281,6 +281,45 @@ def test_bf16_mixed_trains_like_fp32():
     assert abs(half.summary["final"] - full.summary["final"]) < 0.05, (half.summary, full.summary)
 
 
+@pytest.mark.parametrize("network", ["mlp", "cnn"])
+def test_bf16_mixed_on_the_stacked_path_keeps_fp32_master_weights(network, monkeypatch):
+    """``trainer.precision: bf16-mixed`` autocasts the clients' forward and backward passes; the stacked path's
+    weights, the optimiser's update and the client-state bank stay float32. One round of stacked FedRep (1 head + 1
+    body epoch, personal heads in the bank) with a learning rate so small that most weight changes are below bf16's
+    resolution (2⁻⁸ of the weight): stored in bf16 they would vanish; here the round's change matches fp32's. The
+    CNN runs the ``vmap``-ed step (``CONV_CLIENTS`` as on accelerators), the MLP the batched-matmul one."""
+    from fl_lightning.engine import stacked
+    from fl_lightning.models import DigitsCNN
+
+    monkeypatch.setitem(stacked.CONV_CLIENTS, "cpu", "vmap")
+
+    def network_() -> torch.nn.Module:
+        return DigitsMLP(hidden=(32,)) if network == "mlp" else DigitsCNN()
+
+    def run(precision: str) -> FederatedModule:
+        L.seed_everything(0, verbose=False)
+        module = FederatedModule(FedRep(1, 1), network_(), executor="vectorized", lr=1e-4)
+        dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=3, seed=0)
+        make_trainer(1, limit_val_batches=0, precision=precision).fit(module, datamodule=dm)
+        return module
+
+    L.seed_everything(0, verbose=False)
+    init = {n: p.detach().clone() for n, p in network_().named_parameters()}
+    full, half = run("32-true"), run("bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in half.net.parameters())
+    assert all(half.bank.row(n).dtype == torch.float32 for n in half.bank.names)
+    for n, p in full.global_params().items():
+        if n not in init or n.startswith("head."):  # the global head is not trained (FedRep's heads are personal)
+            continue
+        step32, step16 = p - init[n], half.global_params()[n] - init[n]
+        lost = ((init[n] + step32).bfloat16() == init[n].bfloat16()).float().mean()
+        assert lost > 0.5, (n, lost)  # bf16 storage would have dropped most of this round's change
+        cosine = torch.nn.functional.cosine_similarity(step16.flatten(), step32.flatten(), dim=0)
+        assert cosine > 0.99 and not torch.equal(step16, step32), (n, cosine)  # autocast ran, the update survived
+    heads = [half.bank.row(n) - full.bank.row(n) for n in full.bank.names]
+    assert max(float(d.abs().max()) for d in heads) < 1e-3
+
+
 # ---- checkpoints -------------------------------------------------------------------------------------------
 def test_resuming_from_a_checkpoint_written_before_validation_says_so(tmp_path, caplog):
     def module():

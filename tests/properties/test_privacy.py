@@ -13,7 +13,7 @@ import fl_lightning.algorithms as algorithms
 from fl_lightning.algorithms import Ditto, FedAvg, FedPer, FedRep, LGFedAvg, LocalOnly
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
 from fl_lightning.cli import train_config
-from fl_lightning.engine.ledger import CommunicationLedger, PrivacyViolation
+from fl_lightning.engine.aggregation import CommunicationLedger, PrivacyViolation
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.models import DigitsMLP
 from tests.helpers.digits_runs import digits

@@ -28,11 +28,11 @@ from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import Params, split_state
-from fl_lightning.engine.executor import stacked_updates
+from fl_lightning.engine.executor import client_settings, stacked_updates
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext
-from fl_lightning.engine.stacked_nets import per_sample_loss_for, stack, unstack
+from fl_lightning.engine.stacked_nets import own_stacked_forward, per_sample_loss_for, stack, unstack
 
 if TYPE_CHECKING:
     from fl_lightning.engine.module import FederatedModule
@@ -150,7 +150,10 @@ class CohortRequest:
 def shares_calls(module: FederatedModule) -> bool:
     """Whether the run's stacked clients may train in one call with other runs' clients: its algorithm has no
     server state an update could read, or only buffers it reads in broadcasting arithmetic
-    (``Algorithm.server_state_broadcasts``)."""
+    (``Algorithm.server_state_broadcasts``); never a network with its own stacked forward (``LoRAClassifier``: the
+    runs' bases are separate tensors, which one call would copy per client)."""
+    if own_stacked_forward(module.net) is not None:  # a LoRA network: its step multiplies by its own run's one base
+        return False
     algorithm = module.algorithm
     buffers = any(True for _ in algorithm.buffers()) and not algorithm.server_state_broadcasts
     return not (any(True for _ in algorithm.parameters()) or buffers)
@@ -210,7 +213,7 @@ def run_stacked(requests: Sequence[CohortRequest]) -> list[list[ClientUpdate]]:
     if not clients:
         return out
     ctx = RunsContext(
-        first.net, clients, xs, ys, sides if has_side else None, first.round_optimizers.client_settings(),
+        first.net, clients, xs, ys, sides if has_side else None, client_settings(first),
         per_sample_loss_for(first.fed.num_classes), gens, first.fed.augment, rounds[0], seeds[0], budgets,
         rounds=rounds, seeds=seeds, run_slices=slices,
     )  # fmt: skip
