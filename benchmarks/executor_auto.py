@@ -1,4 +1,5 @@
-"""The measurement behind ``model.executor: auto``'s rule (``fl_lightning.engine.executor.MIN_STACKED_CLIENTS``).
+"""The measurement behind ``model.executor: auto``'s rule (``fl_lightning.engine.executor.auto_rule``:
+``MIN_STACKED_CLIENTS``, and with ``--l2gd`` ``MIN_TRAINING_RATE``).
 
 CPU seconds (``time.process_time``) per round of client work (``FederatedModule.run_clients``), the sequential
 loop and the stacked path taking turns round by round on the same cohorts, median over ``--rounds`` rounds after
@@ -7,7 +8,12 @@ one warm-up round, one thread; then one all-client evaluation per path. Workload
 round, and tiny synthetic clients (64 features, 10 samples each; the evaluation column of the last two rows
 evaluates a federation of 1 and 2 clients). The ratio sequential / stacked above 1 means the stacked path wins.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto
+``--l2gd``: instead, the rule's training rate (``Algorithm.local_training_rate``): FedAvgCNN on CIFAR-shaped random
+data (10 clients × 40 images, all 10 per round, uniform aggregation), FedAvg and L2GD with p = 0.1, 0.5 and 0.9
+(clients train in a round with probability 1 − p; α scaled so that the mixing ηλ stays 0.25), the mean over
+``--rounds`` rounds (a round trains or only mixes, by the method's coin).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto [--l2gd]
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,11 +33,11 @@ from fl_lightning.engine.rounds import ClientSampler
 from fl_lightning.models import DigitsMLP
 
 
-def synthetic(num_clients: int, per_client: int, seed: int = 0) -> FederatedData:
+def synthetic(num_clients: int, per_client: int, seed: int = 0, shape: tuple[int, ...] = (64,)) -> FederatedData:
     g = torch.Generator().manual_seed(seed)
 
     def split(k: int) -> ClientSplit:
-        x = torch.randn(num_clients * k, 64, generator=g)
+        x = torch.randn(num_clients * k, *shape, generator=g)
         return ClientSplit(x, torch.randint(0, 10, (num_clients * k,), generator=g), torch.arange(num_clients + 1) * k)
 
     return FederatedData(split(per_client), split(max(per_client // 4, 1)), 10, seed=seed)
@@ -44,12 +51,17 @@ def digits() -> FederatedData:
     return dm.federated
 
 
-def measure(fed: FederatedData, algorithm: Callable[[], Algorithm], per_round: int, rounds: int) -> dict[str, float]:
-    """Median CPU seconds per round of each path and of one all-client evaluation."""
+def measure(
+    fed: FederatedData, algorithm: Callable[[], Algorithm], per_round: int, rounds: int,
+    network: Callable[[], torch.nn.Module] = DigitsMLP, statistic: Callable = statistics.median, **module_args: Any,
+) -> dict[str, float]:  # fmt: skip
+    """CPU seconds per round of each path (``statistic`` over the rounds: the median, or the mean where rounds
+    differ by design) and of one all-client evaluation."""
     modules = {}
     for executor in ("sequential", "vectorized"):
         torch.manual_seed(0)
-        module = FederatedModule(algorithm(), DigitsMLP(), lr=0.01, momentum=0.5, batch_size=10, executor=executor)
+        module = FederatedModule(algorithm(), network(), lr=0.01, momentum=0.5, batch_size=10, executor=executor,
+                                 **module_args)
         module.attach_data(fed)
         modules[executor] = module
     sampler = ClientSampler(fed.num_clients, per_round, seed=0)
@@ -62,7 +74,7 @@ def measure(fed: FederatedData, algorithm: Callable[[], Algorithm], per_round: i
             module.run_clients(cohort, r, glob, states, [1.0] * per_round)
             if r:  # round 0 warms up
                 spent[name].append(time.process_time() - start)
-    out = {name: statistics.median(times) for name, times in spent.items()}
+    out = {name: statistic(times) for name, times in spent.items()}
     for name, module in modules.items():
         start = time.process_time()
         module.evaluate_clients(0)
@@ -73,8 +85,12 @@ def measure(fed: FederatedData, algorithm: Callable[[], Algorithm], per_round: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--l2gd", action="store_true", help="the training-rate rows (MIN_TRAINING_RATE)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.l2gd:
+        training_rate(args.rounds)
+        return
     quick, tiny = digits(), synthetic(20, 10)
     rows = [
         ("quickstart digits, FedRep 10+1", quick, lambda: FedRep(10, 1), 4),
@@ -92,6 +108,23 @@ def main() -> None:
             f"{eval_ratio:10.2f}",
             flush=True,
         )
+
+
+def training_rate(rounds: int) -> None:
+    """The ``--l2gd`` rows: sequential / stacked against the fraction of rounds in which the clients train."""
+    from fl_lightning.algorithms import L2GD
+    from fl_lightning.models import FedAvgCNN
+
+    fed = synthetic(10, 40, shape=(3, 32, 32))
+    rows: list[tuple[str, Callable[[], Algorithm]]] = [("FedAvg 1 epoch", lambda: FedAvg(1))]
+    # ηλ = αλ / (N(1 − p)) with N = 10 clients: α = 2.5(1 − p) keeps the mixing at 0.25 for every p
+    rows += [(f"L2GD p={p}", lambda p=p: L2GD(p=p, alpha=2.5 * (1 - p))) for p in (0.1, 0.5, 0.9)]
+    print(f"{'workload (FedAvgCNN, 10 clients)':34s} {'rate':>5s} {'seq ms':>8s} {'stacked ms':>10s} {'ratio':>6s}")
+    for name, algorithm in rows:
+        t = measure(fed, algorithm, 10, rounds, FedAvgCNN, statistics.mean, aggregation="uniform")
+        rate = algorithm().local_training_rate
+        print(f"{name:34s} {rate:5.2f} {1e3 * t['sequential']:8.1f} {1e3 * t['vectorized']:10.1f} "
+              f"{t['sequential'] / t['vectorized']:6.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ class Algorithm(nn.Module):
     #: True to keep each client's optimiser state (momentum, Adam moments) across rounds in the client-state
     #: bank, as ``model.keep_client_optimizer_state: true`` does; False: a fresh optimiser per phase.
     keep_client_optimizer_state: bool = False
+    #: The expected fraction of rounds in which a sampled client runs local SGD (the method's own math: L2GD's
+    #: clients train in a round with probability 1 − p, and only mix their models otherwise). ``model.executor:
+    #: auto`` reads it (``executor.auto_rule``).
+    local_training_rate: float = 1.0
 
     def __init__(self, personal: Sequence[str] | None = None) -> None:
         super().__init__()

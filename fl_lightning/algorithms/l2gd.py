@@ -55,6 +55,11 @@ class L2GD(PersonalModels):
         self.num_clients = 0
 
     @property
+    def local_training_rate(self) -> float:  # type: ignore[override]
+        """A round trains locally (ξ = 0) with probability 1 − p."""
+        return 1 - self.p
+
+    @property
     def mixing(self) -> float:
         """ηλ with η = α / (N(1−p)) (spec 000 §8.2)."""
         return self.alpha * self.lam / (self.num_clients * (1 - self.p))

@@ -103,6 +103,16 @@ class CommunicationLedger:
         self.download_bytes = 0
         self.history: list[RoundDisclosure] = []
         self.observers: list[Callable[[int, int, dict[str, Tensor]], None]] = []
+        self._kinds: dict[str, tuple[bool, bool, bool]] = {}  #: ``_kind`` per upload name, matched once
+
+    def _kind(self, name: str) -> tuple[bool, bool, bool]:
+        """(refused, state-dependent, side-dependent) of an upload name: its prefixes are matched once per run."""
+        kind = self._kinds.get(name)
+        if kind is None:
+            refused = name not in self.allowed or self.is_private(name)
+            kind = (refused, _under(name, self.state_dependent), _under(name, self.side_dependent))
+            self._kinds[name] = kind
+        return kind
 
     @classmethod
     def for_algorithm(
@@ -131,8 +141,9 @@ class CommunicationLedger:
         self.history.append(RoundDisclosure(round_idx))
 
     def upload(self, round_idx: int, client: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        for name in tensors:
-            if name not in self.allowed or self.is_private(name):
+        kinds = [self._kind(name) for name in tensors]
+        for name, (refused, _, _) in zip(tensors, kinds):
+            if refused:
                 raise PrivacyViolation(
                     f"client {client} tried to upload '{name}' in round {round_idx}: "
                     "it is personal client state or not in the algorithm's declared upload"
@@ -144,12 +155,8 @@ class CommunicationLedger:
         record = self.history[-1]
         record.uploads += 1
         record.bytes += size
-        record.state_dependent_bytes += tensor_bytes(
-            {n: t for n, t in tensors.items() if _under(n, self.state_dependent)}
-        )
-        record.side_dependent_bytes += tensor_bytes(
-            {n: t for n, t in tensors.items() if _under(n, self.side_dependent)}
-        )
+        record.state_dependent_bytes += tensor_bytes({n: t for (n, t), k in zip(tensors.items(), kinds) if k[1]})
+        record.side_dependent_bytes += tensor_bytes({n: t for (n, t), k in zip(tensors.items(), kinds) if k[2]})
         for observer in self.observers:
             observer(round_idx, client, tensors)
         for observer in CommunicationLedger.global_observers:

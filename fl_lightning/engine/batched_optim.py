@@ -122,8 +122,27 @@ def step_each(
     return [rule.step(p, g, s, c, lr, wd) for p, g, s, c, wd in zip(ps, gs, states, counts, decays)]
 
 
+#: ``batched_rule``'s answers by the settings that decide them (a rule holds only hyper-parameters): the executor
+#: asks every round, and each answer builds and steps a probe optimiser
+_RULES: dict[tuple, BatchedRule | None] = {}
+
+
 def batched_rule(settings: ClientOptimizer) -> BatchedRule | None:
-    """The stacked-tensor version of the client optimiser, or None when there is none."""
+    """The stacked-tensor version of the client optimiser, or None when there is none (remembered per settings)."""
+    key = (settings.factory, settings.lr, settings.momentum, settings.weight_decay, settings.decay_bias)
+    try:
+        return _RULES[key]
+    except KeyError:
+        pass
+    except TypeError:  # a factory that cannot be a key: asked every time
+        return _probe_rule(settings)
+    if len(_RULES) >= 256:
+        _RULES.clear()
+    _RULES[key] = rule = _probe_rule(settings)
+    return rule
+
+
+def _probe_rule(settings: ClientOptimizer) -> BatchedRule | None:
     probe = settings.probe()
     hyper = probe.defaults
     if hyper.get("differentiable") or isinstance(hyper.get("lr"), Tensor):

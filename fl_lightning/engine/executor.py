@@ -6,9 +6,10 @@ once, with which client optimiser and augmentation), under ``model.executor``:
 * ``sequential``: the reference loop (``fl_lightning.engine.sequential.ClientContext``, one client after another);
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
-* ``auto`` (the default): the stacked path where it can run and wins on the device (``MIN_STACKED_CLIENTS``),
-  else the loop. Where the stacked path would only run its clients in turn (a client optimiser without a batched
-  form, recurrent layers, an augmentation that cannot draw ahead) ``auto`` runs the loop.
+* ``auto`` (the default): the stacked path where it can run and wins on the device (``auto_rule``:
+  ``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``), else the loop. Where the stacked path would only run its clients
+  in turn (a client optimiser without a batched form, recurrent layers, an augmentation that cannot draw ahead)
+  ``auto`` runs the loop.
 
 ``decide`` makes the run's decision once: the path, why, and its sub-paths: how the stacked path trains
 (``fl_lightning.engine.stacked_paths.StackedPaths``: ``fused relu mlp``, ``conv in turn``, …, which
@@ -48,6 +49,7 @@ __all__ = [
     "Decision",
     "ExecutorName",
     "Workload",
+    "auto_rule",
     "choose_path",
     "client_context",
     "decide",
@@ -72,6 +74,17 @@ EvalPath = Literal["shared body", "stacked", "loop"]
 #: 2 clients 1.40; the quickstart (FedRep 10+1 epochs, 4 clients) 4.31-4.56. Command:
 #: ``OMP_NUM_THREADS=1 python -m benchmarks.executor_auto``. Other devices (not measured yet): stacked from 1 client.
 MIN_STACKED_CLIENTS: dict[str, int] = {"cpu": 2}
+#: ``auto`` on these devices runs the loop for algorithms whose clients train in fewer than this fraction of rounds
+#: (``Algorithm.local_training_rate``): the stacked path's gain is per local SGD step, its extra cost (the cohort's
+#: stacked client states, and the elementwise work on them, past the CPU's caches) is per round. Measured on the
+#: 2-core development CPU under load from other jobs (one thread; mean CPU ms per round of ``run_clients`` over 10
+#: rounds, both paths on the same cohorts; FedAvgCNN on CIFAR-shaped data, 10 clients × 40 images, all 10 per
+#: round; L2GD with α scaled so that ηλ stays 0.25), sequential / stacked in two runs: FedAvg (rate 1) 1.16 and
+#: 1.10; L2GD p = 0.1 (rate 0.9) 1.07 and 1.05; p = 0.5 (rate 0.5) 1.02 and 0.98; p = 0.9 (rate 0.1, its default)
+#: 0.92 and 0.97. The floor sits between the tie at 0.5 and the wins at 0.9. Command: ``OMP_NUM_THREADS=1 python -m
+#: benchmarks.executor_auto --l2gd --rounds 10``. Other devices: stacked at any rate (an H200 ran L2GD's default
+#: 1.53× faster stacked, README).
+MIN_TRAINING_RATE: dict[str, float] = {"cpu": 0.75}
 
 
 class FederatedRun(Protocol):
@@ -189,12 +202,28 @@ def choose_path(
     if workload.augment is not None and not draws_ahead(workload.augment):
         return Decision("sequential", "the augmentation cannot draw ahead")
     kind, k = torch.device(device).type, workload.clients
-    least = MIN_STACKED_CLIENTS.get(kind, 1)
     at_once = f"{k} client{'' if k == 1 else 's'} at a time on the {kind}"
-    if k < least:
-        return Decision("sequential", f"{at_once}: the loop is faster below {least}")
+    slower = auto_rule(kind, k, None if workload.evaluation else algorithm)
+    if slower is not None:
+        return Decision("sequential", f"{at_once}: {slower}")
     what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
     return Decision("stacked", f"{what}, {at_once}{note}")
+
+
+def auto_rule(kind: str, clients: int, algorithm: Algorithm | None) -> str | None:
+    """``auto``'s measured rule on a device ``kind`` (where the stacked path can run and would not run its clients
+    in turn): why the loop is faster for ``clients`` at once of ``algorithm`` (None: evaluation, nothing trains),
+    or None where the stacked path is at least as fast (``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``: what was
+    measured, with the commands that re-measure it)."""
+    least = MIN_STACKED_CLIENTS.get(kind, 1)
+    if clients < least:
+        return f"the loop is faster below {least}"
+    rate = 1.0 if algorithm is None else float(algorithm.local_training_rate)
+    floor = MIN_TRAINING_RATE.get(kind, 0.0)
+    if rate < floor:
+        return (f"{type(algorithm).__name__}'s clients train in {rate:.0%} of rounds, and the loop is faster below "
+                f"{floor:.0%}")  # fmt: skip
+    return None
 
 
 def planned_clients(module: FederatedRun, clients: int) -> int:

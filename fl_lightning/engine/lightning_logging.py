@@ -1,4 +1,16 @@
-"""A cheaper ``self.log`` for the rounds: Lightning's logged-metric move, skipped when nothing moves.
+"""A cheaper ``self.log`` for the rounds: one call per round, Lightning's hook-signature reads cached, and its
+logged-metric move skipped when nothing moves.
+
+``log_scalars(module, metrics)`` is ``module.log_dict(metrics)`` for a dict of numbers and one-element tensors
+(what a round and an evaluation log): the checks ``LightningModule.log`` repeats for every key (the hook's logging
+levels, the ``training_step`` signature, the result collection's reset) are done once per call, every number
+becomes a tensor in one ``torch.tensor`` call (the dtype and device ``self.log`` gives it), and each key then goes
+to the loop's result collection (``_ResultCollection.log``) with the arguments ``self.log`` would pass, so the
+trainer's ``callback_metrics``, the progress bar and every logger see the same values. Anything else (a
+``Metric``, Fabric, no trainer) takes ``log_dict``'s own path.
+
+Lightning reads the signature of ``training_step`` (``is_param_in_hook_signature``, one ``inspect.getfullargspec``)
+at every ``self.log`` call and for every batch; ``install()`` caches that answer per function.
 
 Every ``LightningModule.log`` call ends in ``_ResultMetric.to(value.device)``, which rebuilds the logged metric's
 whole ``__dict__`` with ``apply_to_collection`` (its states, the ``nn.Module`` dictionaries, the ``_Metadata``
@@ -14,7 +26,9 @@ tests check against (``tests/engine/test_lightning_logging.py``); any other vers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import numbers
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning
@@ -55,8 +69,41 @@ def skip_idle_moves(to: Callable[..., Any]) -> Callable[..., Any]:
     return move
 
 
+#: the Lightning modules that read hook signatures per batch or per ``self.log`` (``install`` caches their reads)
+SIGNATURE_READERS = (
+    "lightning.pytorch.core.module",
+    "lightning.pytorch.loops.training_epoch_loop",
+    "lightning.pytorch.loops.evaluation_loop",
+    "lightning.pytorch.loops.utilities",
+    "lightning.pytorch.core.optimizer",
+)
+
+
+def cached_signature_reads(read: Callable[..., bool]) -> Callable[..., bool]:
+    """``is_param_in_hook_signature`` answered once per (function, question): a function's signature does not
+    change. Bound methods are keyed by their function; anything unhashable is read every time."""
+
+    @functools.lru_cache(maxsize=1024)
+    def cached(fn: Any, param: str, explicit: bool, min_args: int | None) -> bool:
+        return read(fn, param, explicit=explicit, min_args=min_args)
+
+    def is_param_in_hook_signature(hook_fx: Callable, param: str, explicit: bool = False,
+                                   min_args: int | None = None) -> bool:  # fmt: skip
+        fn = getattr(hook_fx, "__func__", hook_fx)
+        try:
+            return cached(fn, param, explicit, min_args)
+        except TypeError:  # unhashable
+            return read(hook_fx, param, explicit=explicit, min_args=min_args)
+
+    is_param_in_hook_signature.lightning_read = read  # type: ignore[attr-defined]
+    return is_param_in_hook_signature
+
+
 def install() -> bool:
-    """Wrap ``_ResultMetric.to`` once (a supported Lightning version); True when the wrapper is in place."""
+    """Wrap ``_ResultMetric.to`` and cache the hook-signature reads once (a supported Lightning version); True
+    when the wrappers are in place."""
+    import importlib
+
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
     if hasattr(_ResultMetric.to, "lightning_to"):
@@ -64,4 +111,54 @@ def install() -> bool:
     if not lightning.__version__.startswith(SUPPORTED):
         return False
     _ResultMetric.to = skip_idle_moves(_ResultMetric.to)
+    for name in SIGNATURE_READERS:
+        module = importlib.import_module(name)
+        read = module.is_param_in_hook_signature
+        if not hasattr(read, "lightning_read"):
+            module.is_param_in_hook_signature = cached_signature_reads(read)
     return True
+
+
+def log_scalars(module: Any, metrics: Mapping[str, Any], prog_bar: bool = False) -> None:
+    """``module.log_dict(metrics, prog_bar=prog_bar)`` for numbers and one-element tensors, with ``self.log``'s
+    per-call work done once (see the module docstring); the same values reach the same places."""
+    from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype
+
+    trainer, fx = module._trainer, module._current_fx_name
+    plain = all(isinstance(v, numbers.Number) or (isinstance(v, Tensor) and v.numel() == 1) for v in metrics.values())
+    if (
+        not plain
+        or not lightning.__version__.startswith(SUPPORTED)
+        or module._fabric is not None
+        or trainer is None
+        or trainer.barebones
+        or trainer._results is None
+        or fx is None
+        or any("/dataloader_idx_" in k for k in metrics)
+        or (trainer.training and module_reads_dataloader_iter(module))
+    ):
+        module.log_dict(dict(metrics), prog_bar=prog_bar)
+        return
+    on_step, on_epoch = _FxValidator.check_logging_and_get_default_levels(fx, on_step=None, on_epoch=None)
+    numbers_at = [k for k, v in metrics.items() if not isinstance(v, Tensor)]
+    converted = dict(zip(numbers_at, torch.tensor(
+        [metrics[k] for k in numbers_at], device=module.device, dtype=_get_default_dtype()
+    ).unbind())) if numbers_at else {}  # fmt: skip
+    results = trainer._results
+    if trainer._logger_connector.should_reset_tensors(fx):
+        results.reset(metrics=False, fx=fx)
+    reduce = trainer.strategy.reduce
+    for name, value in metrics.items():
+        value = converted[name] if name in converted else value.clone().detach().squeeze()
+        results.log(fx, name, value, prog_bar=prog_bar, logger=True, on_step=on_step, on_epoch=on_epoch,
+                    reduce_fx="mean", enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False,
+                    sync_dist_fn=reduce, sync_dist_group=None, metric_attribute=None, rank_zero_only=False)  # fmt: skip
+        trainer._logger_connector._current_fx = fx
+
+
+def module_reads_dataloader_iter(module: Any) -> bool:
+    """Whether ``training_step`` takes ``dataloader_iter`` (then ``self.log`` asks for a batch size: its own path)."""
+    from lightning.pytorch.core import module as lightning_module
+
+    return lightning_module.is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)

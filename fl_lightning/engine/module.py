@@ -50,7 +50,7 @@ from fl_lightning.metrics import PerClientScores
 
 __all__ = ["FP16_REFUSED", "FederatedModule", "FineTune", "TrainingDiverged"]
 
-lightning_logging.install()  # self.log without Lightning's per-call walk when nothing moves
+lightning_logging.install()  # self.log without Lightning's per-call walk when nothing moves, signatures read once
 log = logging.getLogger("fl_lightning")
 
 
@@ -153,10 +153,8 @@ class FederatedModule(L.LightningModule):
         self.algorithm, self.net = algorithm, network
         self.privacy = None if privacy is None else PrivacyEngine(privacy)
         if batch_size < 2 and has_batchnorm1d(network):
-            raise ConfigError(
-                f"model.batch_size {batch_size} with a BatchNorm1d network: BatchNorm cannot train on one sample; "
-                "use a batch size of at least 2"
-            )
+            raise ConfigError(f"model.batch_size {batch_size} with a BatchNorm1d network: BatchNorm cannot train on "
+                              "one sample; use a batch size of at least 2")  # fmt: skip
         self.client_optimizer = ClientOptimizer.from_config(
             client_optimizer, lr, momentum, weight_decay, batch_size, decay_bias, drop_last
         )
@@ -176,8 +174,7 @@ class FederatedModule(L.LightningModule):
         self.finetuned_clients: ClientEvaluation | None = None  #: the "+FT" evaluation at the end of fit
         self.upload_bytes = 0.0  #: bytes uploaded by all clients so far (restored from checkpoints)
         self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
-        self._fit_start = 0.0
-        self.resumed_wall_s = 0.0  #: training seconds before the checkpoint this run resumed from
+        self._fit_start, self.resumed_wall_s = 0.0, 0.0  #: resumed: training seconds before the run's checkpoint
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
@@ -321,17 +318,21 @@ class FederatedModule(L.LightningModule):
         aggregation.check_finite(self.net, backup, self.trainer, round_idx)
 
     def _log_round(self, round_idx: int, stats: RoundStats) -> None:
-        if self.client_dropout or self.stragglers or stats.non_finite:
-            faults = {"dropped": stats.dropped, "non_finite": stats.non_finite, "stragglers": stats.stragglers}
-            self.log_dict({f"faults/{k}": v for k, v in faults.items()})
-        metrics = {"comm/download_bytes": float(self.ledger.download_bytes), "round": float(round_idx)}
+        faults = {"dropped": stats.dropped, "non_finite": stats.non_finite, "stragglers": stats.stragglers}
+        logs_faults = self.client_dropout or self.stragglers or stats.non_finite
+        metrics = {f"faults/{k}": v for k, v in faults.items()} if logs_faults else {}
+        metrics |= {"comm/download_bytes": float(self.ledger.download_bytes), "round": float(round_idx)}
         total = self._count_upload(stats.upload_bytes)
         if self.privacy is None:
             metrics.update({"train/loss": stats.mean_loss, "train/clients": stats.survivors,
                             "comm/upload_bytes": stats.upload_bytes, "comm/upload_bytes_total": total})  # fmt: skip
         else:  # under DP the clients' losses, their count and the upload bytes (which count them) are not released
             metrics.update({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
-        self.log_dict(metrics, prog_bar=False)
+        self.log_scalars(metrics)  # one call per round
+
+    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool = False) -> None:
+        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``), to the same destinations."""
+        lightning_logging.log_scalars(self, metrics, prog_bar)
 
     def _count_upload(self, round_bytes: float) -> float:
         self.upload_bytes += float(round_bytes)
@@ -390,8 +391,8 @@ class FederatedModule(L.LightningModule):
                 metrics[key + "_sem"] = evaluation.sampled_sem(result, self.fed.num_clients, regression)
             self.history.append({"round": result.round, **metrics})
             metrics[key.replace("_mean", "_last10")] = mean_of_last(self.history, key, self.eval_last)
-        self.log_dict(metrics, prog_bar=True)
-        self.log("round", float(result.round))  # so that every metrics.csv row names its round
+        self.log_scalars(metrics, prog_bar=True)
+        self.log_scalars({"round": float(result.round)})  # every metrics.csv row names its round
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()
@@ -405,7 +406,7 @@ class FederatedModule(L.LightningModule):
         metrics = validation_metrics(result, self.fed, self.net, prefix="test")
         end = self.end_evaluations(result.round, split="test")
         metrics.update({k.replace("final/", "test/"): v for k, v in end.items()})
-        self.log_dict(metrics)
+        self.log_scalars(metrics)
 
     def _finish_evaluation(self) -> ClientEvaluation:
         with torch.inference_mode(False):

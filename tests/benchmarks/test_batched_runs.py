@@ -120,3 +120,27 @@ def test_results_json_is_written_as_the_workloads_go(tmp_path, monkeypatch) -> N
         batched_runs.main(["--out", str(tmp_path), "--workloads", "measured", "failing"])
     records = json.loads((tmp_path / "results.json").read_text())
     assert [(r["method"], r["metric"], r["value"]) for r in records] == [("batched x2", "wall_s", 1.5)]
+
+
+def test_print_parts_gives_each_sides_shared_work_per_run_round(capsys) -> None:
+    """Everything but client training and evaluation, divided by runs × rounds, in ms (issue 42's figure)."""
+    parts = {
+        "sequential, one at a time": {"client training": 8.0, "client evaluation": 2.0, "self.log": 1.0,
+                                      "everything else": 3.0},
+        "default command": {"client training": 1.0, "client evaluation": 1.0, "self.log": 0.5,
+                            "everything else": 1.5},
+    }  # fmt: skip
+    records: list = []
+    batched_runs.print_parts("grid", parts, records, "grid,setting", run_rounds=200)
+    out = capsys.readouterr().out
+    assert "sequential 20.00 ms, default 10.00 ms" in out  # (1 + 3) s / 200, (0.5 + 1.5) s / 200
+    shared = {r["method"]: r["value"] for r in records if r["metric"] == "shared_ms_per_run_round"}
+    assert shared == {"sequential": 20.0, "default command": 10.0}
+    assert "ceiling" in out and "shared work" not in capsys.readouterr().out  # printed once
+
+
+def test_parts_charge_the_modules_one_logging_call() -> None:
+    """``self.log`` is the module's ``log_scalars`` (one call per round and evaluation), not Lightning's per-key
+    ``log``, which ``log_scalars`` no longer calls (no part calls another)."""
+    assert ("fl_lightning.engine.module", "FederatedModule.log_scalars", "self.log") in batched_runs.PARTS
+    assert not any(path == "LightningModule.log" for _, path, _ in batched_runs.PARTS)

@@ -280,6 +280,36 @@ def test_batched_rule_is_none_without_a_batched_form() -> None:
     assert isinstance(batched_rule(ClientOptimizer()), BatchedSGD)
 
 
+def test_batched_rule_probes_each_setting_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor asks every round: the probe optimiser is built once per settings, and an unhashable factory
+    is probed every time (same answers)."""
+    from fl_lightning.engine import batched_optim
+
+    probes: list[ClientOptimizer] = []
+    original = ClientOptimizer.probe
+
+    def probe(self: ClientOptimizer) -> torch.optim.Optimizer:
+        probes.append(self)
+        return original(self)
+
+    monkeypatch.setattr(ClientOptimizer, "probe", probe)
+    monkeypatch.setattr(batched_optim, "_RULES", {})
+    sgd, other_lr = ClientOptimizer(momentum=0.9), ClientOptimizer(momentum=0.9, lr=0.5)
+    first = batched_optim.batched_rule(sgd)
+    assert batched_optim.batched_rule(ClientOptimizer(momentum=0.9)) is first and first.momentum == 0.9
+    assert batched_optim.batched_rule(other_lr).momentum == 0.9 and len(probes) == 2
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, groups: list) -> torch.optim.Optimizer:
+            return torch.optim.RMSprop(groups, lr=0.01)
+
+    odd = ClientOptimizer(factory=Unhashable())
+    assert batched_optim.batched_rule(odd) is None and batched_optim.batched_rule(odd) is None
+    assert len(probes) == 4
+
+
 @pytest.mark.parametrize(("cls", "amsgrad"), [(torch.optim.Adam, False), (torch.optim.Adam, True),
                                                (torch.optim.AdamW, False)])
 def test_batched_adam_keeps_the_state_keys_torch_keeps(cls: type, amsgrad: bool) -> None:

@@ -25,13 +25,20 @@ import fl_lightning.algorithms as algorithms
 from datamodules.augment import CropFlip
 from datamodules.base import FederatedDataModule
 from datamodules.digits import load_digits_tensors
-from fl_lightning.algorithms import Algorithm, FedAvg, FedRep, LinearFedAvg
+from fl_lightning.algorithms import L2GD, Algorithm, FedAvg, FedRep, LinearFedAvg
 from fl_lightning.algorithms.base import ClientUpdate
 from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
-from fl_lightning.engine.executor import MIN_STACKED_CLIENTS, Workload, choose_path, shared_body_applies
+from fl_lightning.engine.executor import (
+    MIN_STACKED_CLIENTS,
+    MIN_TRAINING_RATE,
+    Workload,
+    auto_rule,
+    choose_path,
+    shared_body_applies,
+)
 from fl_lightning.engine.module import FederatedModule
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked_paths import StackedPaths
@@ -102,6 +109,21 @@ CASES = {
         ("sequential", "1 client at a time on the cpu: the loop is faster below 2", False),
     ),
     "vectorized, one client": (FedAvg(1), MLP, CPU, Workload(1), "vectorized", ASKED_VECTORIZED),
+    # L2GD's clients train in 1 − p of the rounds (default p 0.9): below MIN_TRAINING_RATE the loop on the cpu
+    "auto, L2GD training in 10% of rounds on the cpu": (
+        L2GD(), MLP, CPU, Workload(10), "auto",
+        ("sequential", "10 clients at a time on the cpu: L2GD's clients train in 10% of rounds, and the loop is "
+         "faster below 75%", False),
+    ),
+    "auto, L2GD training in 90% of rounds on the cpu": (
+        L2GD(p=0.1), MLP, CPU, Workload(10), "auto",
+        ("stacked", "L2GD is vectorizable, 10 clients at a time on the cpu", False),
+    ),
+    "auto, L2GD elsewhere": (
+        L2GD(), MLP, "cuda", Workload(10), "auto",
+        ("stacked", "L2GD is vectorizable, 10 clients at a time on the cuda", False),
+    ),
+    "vectorized, L2GD on the cpu": (L2GD(), MLP, CPU, Workload(10), "vectorized", ASKED_VECTORIZED),
     "auto, one client elsewhere": (
         FedAvg(1), MLP, "cuda", Workload(1), "auto",
         ("stacked", "FedAvg is vectorizable, 1 client at a time on the cuda", False),
@@ -134,6 +156,35 @@ def test_the_cpu_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(MIN_STACKED_CLIENTS, "cpu", 5)
     assert not choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(4)).stacked
     assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(5)).stacked
+
+
+def test_the_training_rate_threshold_is_the_measured_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``MIN_TRAINING_RATE['cpu']`` of rounds with local training the loop, from it on the stacked path."""
+    floor = MIN_TRAINING_RATE["cpu"]
+    assert floor == 0.75  # executor_auto --l2gd, seq / stacked: rate 0.1 0.92-0.97, 0.5 0.98-1.02, 0.9 1.05-1.07
+    assert not choose_path(L2GD(p=0.5), DigitsMLP(), CPU, Workload(10)).stacked
+    assert choose_path(L2GD(p=0.2), DigitsMLP(), CPU, Workload(10)).stacked
+    monkeypatch.setitem(MIN_TRAINING_RATE, "cpu", 0.95)
+    assert not choose_path(L2GD(p=0.1), DigitsMLP(), CPU, Workload(10)).stacked
+    assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(10)).stacked  # trains every round
+    assert choose_path(L2GD(p=0.9), DigitsMLP(), CPU, Workload(10, evaluation=True)).stacked  # nothing trains
+
+
+def test_auto_rule_picks_the_loop_for_a_lone_tiny_client_and_stacks_a_large_cohort() -> None:
+    """The rule itself: one client at a time on the cpu (the measured 0.6-0.9x of the stacked path), or clients that
+    rarely train, get the loop with the reason the decision's line prints; a cohort of 10 training every round, or
+    any cohort on another device, stacks."""
+    assert auto_rule("cpu", 1, FedAvg(1)) == "the loop is faster below 2"
+    assert auto_rule("cpu", 10, FedAvg(1)) is None and auto_rule("cpu", 10, None) is None
+    assert auto_rule("cpu", 10, L2GD()) == "L2GD's clients train in 10% of rounds, and the loop is faster below 75%"
+    assert auto_rule("cuda", 1, L2GD()) is None
+    decision = choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(1))
+    assert decision.reason == "1 client at a time on the cpu: the loop is faster below 2"
+
+
+def test_local_training_rate_is_the_methods_own_coin() -> None:
+    assert FedAvg(1).local_training_rate == 1.0 and Algorithm.local_training_rate == 1.0
+    assert L2GD(p=0.9).local_training_rate == pytest.approx(0.1) and L2GD(p=0.25).local_training_rate == 0.75
 
 
 def test_auto_is_the_default() -> None:
@@ -289,7 +340,11 @@ def _auto_equals_sequential(name: str, network: str, caplog: pytest.LogCaptureFi
         auto = _fit(name, network, "auto", accelerator)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor: ")]
     assert len(said) == 1, said
-    assert said[0].startswith("executor: stacked ("), said  # BatchNorm networks too (per-client statistics)
+    if accelerator == "cpu" and "clients train in" in said[0]:  # auto_rule's training rate (L2GD): the loop on the
+        assert said[0].startswith("executor: sequential ("), said  # cpu, so the stacked path is compared directly
+        auto = _fit(name, network, "vectorized", accelerator)
+    else:
+        assert said[0].startswith("executor: stacked ("), said  # BatchNorm networks too (per-client statistics)
     seq, fast = reference["module"], auto["module"]
     for n, p in seq.net.named_parameters():
         assert_close_finite(dict(fast.net.named_parameters())[n], p, rtol=1e-5, atol=1e-5, msg=n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -129,3 +130,88 @@ def test_a_fit_logs_the_same_metrics_with_and_without_the_wrapper(monkeypatch: p
     assert with_wrapper.keys() == without.keys() and {"train/loss", "val/acc_mean", "test/acc_mean"} <= set(without)
     assert all(with_wrapper[k] == without[k] for k in without)
     assert history == reference_history and len(history) == 3
+
+
+# ---- log_scalars: one call per round, the same values as Lightning's log_dict ----------------------------------
+def _fit_csv(fast: bool, root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[str, float], list[dict]]:
+    """metrics.csv of a 3-round fit and test (faults on, so every round logs its fault counts too), the trainer's
+    callback metrics, and the module's history; ``fast=False`` logs through Lightning's own ``log_dict``."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    if not fast:
+        lightnings = lambda self, m, prog_bar=False: self.log_dict(m, prog_bar=prog_bar)  # noqa: E731
+        monkeypatch.setattr(FederatedModule, "log_scalars", lightnings)
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)), client_dropout=0.2, stragglers=0.3)
+    trainer = make_trainer(3, logger=CSVLogger(str(root), name="", version=""), log_every_n_steps=1)
+    trainer.fit(module, datamodule=dm)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    fitted = (root / "metrics.csv").read_text()
+    trainer.test(module, datamodule=dm, verbose=False)
+    monkeypatch.undo()
+    return fitted + (root / "metrics.csv").read_text(), logged, module.history
+
+
+def test_log_scalars_writes_the_same_metrics_csv_and_callback_metrics_as_log_dict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast_csv, fast_logged, fast_history = _fit_csv(True, tmp_path / "fast", monkeypatch)
+    csv, logged, history = _fit_csv(False, tmp_path / "lightning", monkeypatch)
+    assert fast_csv == csv  # byte for byte: columns, rows, float32 values
+    header = csv.splitlines()[0].split(",")
+    assert {"train/loss", "faults/dropped", "val/acc_mean", "round", "step", "epoch"} <= set(header)
+    assert "test/acc_mean" in csv and len(csv.splitlines()) > 6  # training and validation rows, the test row
+    assert fast_logged == logged and {"train/loss", "val/acc_mean", "faults/stragglers"} <= set(logged)
+    assert fast_history == history and len(history) == 3
+
+
+class _LogsOutsideATrainer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[dict, bool]] = []
+        self._trainer, self._fabric, self._current_fx_name = None, None, None
+
+    def log_dict(self, metrics: dict, prog_bar: bool = False) -> None:
+        self.calls.append((metrics, prog_bar))
+
+
+def test_log_scalars_hands_anything_else_to_log_dict() -> None:
+    """No trainer (or a value that is not a number or a one-element tensor): Lightning's ``log_dict`` decides."""
+    module = _LogsOutsideATrainer()
+    lightning_logging.log_scalars(module, {"a": 1.0, "b": torch.tensor(2.0)}, prog_bar=True)
+    assert module.calls == [({"a": 1.0, "b": torch.tensor(2.0)}, True)]
+
+
+# ---- cached signature reads ------------------------------------------------------------------------------------
+def test_signature_reads_are_cached_per_function_and_answer_as_lightning() -> None:
+    from lightning.pytorch.utilities import signature_utils
+
+    reads: list[object] = []
+
+    def read(fn, param, explicit=False, min_args=None):  # noqa: ANN001, ANN202
+        reads.append(fn)
+        return signature_utils.is_param_in_hook_signature(fn, param, explicit=explicit, min_args=min_args)
+
+    cached = lightning_logging.cached_signature_reads(read)
+
+    class Hooks:
+        def step(self, batch, batch_idx, dataloader_iter=None): ...  # noqa: ANN001, ANN201
+        def varargs(self, *args): ...  # noqa: ANN002, ANN201
+
+    a, b = Hooks(), Hooks()
+    questions = [("dataloader_iter", True, None), ("batch_idx", False, None), ("other", False, 2), ("other", True, 3)]
+    for hook in (a.step, b.step, a.varargs, Hooks.step):
+        for param, explicit, min_args in questions:
+            want = signature_utils.is_param_in_hook_signature(hook, param, explicit=explicit, min_args=min_args)
+            assert cached(hook, param, explicit=explicit, min_args=min_args) == want
+    assert len(reads) == 2 * len(questions)  # step (bound twice and unbound: one function) and varargs
+    assert cached.lightning_read is read
+
+
+def test_install_caches_the_signature_reads_of_lightnings_per_batch_readers() -> None:
+    import importlib
+
+    assert lightning_logging.install()
+    for name in lightning_logging.SIGNATURE_READERS:
+        assert hasattr(importlib.import_module(name).is_param_in_hook_signature, "lightning_read"), name

@@ -559,7 +559,12 @@ def validating(fn: TrainerFn, sanity: bool = False, **kwargs: Any) -> tuple[Fede
         module.client_scores.update(c, correct, 2, 0.5 * (c + 1))
     with_trainer(module, sanity_checking=sanity, state=SimpleNamespace(fn=fn))
     log_dict, log = Recorder(), Recorder()
-    module.log_dict, module.log = log_dict, log
+    module.log_dict, module.log = log_dict, log  # Lightning's own calls: none expected
+
+    def log_scalars(metrics: dict, prog_bar: bool = False) -> None:  # the module's one call per metric group
+        (log_dict if prog_bar else log)(metrics, prog_bar=prog_bar)
+
+    module.log_scalars = log_scalars
     return module, log_dict, log
 
 
@@ -573,7 +578,7 @@ def test_validation_epoch_end_logs_the_evaluation_on_the_progress_bar_with_its_r
     assert_close_finite(metrics["val/acc_mean"], 0.5)
     assert_close_finite(metrics["val/acc_last10"], (0.75 + 0.5) / 2)  # this one and the one before
     assert_close_finite(metrics["val/loss"], np.mean([0.5 / 2, 1.0 / 2, 1.5 / 2, 2.0 / 2]))
-    assert log.calls == [(("round", 4.0), {})]
+    assert log.calls == [(({"round": 4.0},), {"prog_bar": False})]
     assert module.history[-1]["round"] == 4 and len(module.history) == 3
 
 
@@ -584,7 +589,7 @@ def test_validation_epoch_end_outside_fit_has_no_last10_and_keeps_history() -> N
     assert kwargs == {"prog_bar": True}
     assert "val/acc_last10" not in metrics
     assert module.history == []
-    assert log.calls == [(("round", 4.0), {})]
+    assert log.calls == [(({"round": 4.0},), {"prog_bar": False})]
 
 
 def test_validation_epoch_end_during_the_sanity_check_logs_nothing() -> None:
@@ -645,7 +650,7 @@ def logging_round(**kwargs: Any) -> tuple[FederatedModule, Recorder]:
     module.ledger = SimpleNamespace(download_bytes=4096)
     module.upload_bytes = 100.0
     log_dict = Recorder()
-    module.log_dict = log_dict
+    module.log_scalars = log_dict
     return module, log_dict
 
 
@@ -680,11 +685,11 @@ def test_log_round_logs_faults_when_simulated_or_non_finite(setting: dict[str, f
     if not setting:
         stats.non_finite = 1.0
     module._log_round(2, stats)
-    assert log_dict.calls[0] == (
-        ({"faults/dropped": 1.0, "faults/non_finite": stats.non_finite, "faults/stragglers": 2.0},),
-        {},
-    )
-    assert log_dict.calls[1][0][0]["round"] == 2.0
+    assert len(log_dict.calls) == 1  # one call per round, faults included
+    (metrics,), _ = log_dict.calls[0]
+    faults = {"faults/dropped": 1.0, "faults/non_finite": stats.non_finite, "faults/stragglers": 2.0}
+    assert {k: v for k, v in metrics.items() if k.startswith("faults/")} == faults
+    assert metrics["round"] == 2.0 and metrics["train/loss"] == 0.5
 
 
 def test_count_upload_accumulates() -> None:
@@ -1077,8 +1082,8 @@ def faulty_fit() -> dict[str, Any]:
         executor="sequential",  # the recorder reads ctx.client: the reference loop's context
     )
     logged: list[dict[str, Any]] = []
-    original_log_dict = module.log_dict
-    module.log_dict = lambda metrics, **kw: (logged.append(dict(metrics)), original_log_dict(metrics, **kw))
+    original_log_scalars = module.log_scalars
+    module.log_scalars = lambda metrics, **kw: (logged.append(dict(metrics)), original_log_scalars(metrics, **kw))
     layouts: list[Any] = []
     original_all_reduce = aggregation.CohortSums.all_reduce
 

@@ -31,7 +31,7 @@ def run(name: str, shares: bool = True) -> SimpleNamespace:
     if not shares:  # a server parameter: its clients cannot share a call with another run's
         algorithm.c = nn.Parameter(nn.init.zeros_(nn.Linear(1, 1).weight))
     algorithm.server_state_broadcasts = False
-    return SimpleNamespace(name=name, algorithm=algorithm, net=nn.Linear(2, 2))  # a plain network: no own stacked forward
+    return SimpleNamespace(name=name, algorithm=algorithm, net=nn.Linear(2, 2))  # no own stacked forward
 
 
 STACKED = SimpleNamespace(stacked=True, path="stacked")
