@@ -33,6 +33,7 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
 SUPPORTED = ("2.6.",)  #: the Lightning versions whose ``_ResultMetric.to`` this wraps (pyproject: >=2.6.4,<2.7)
@@ -119,7 +120,7 @@ def install() -> bool:
     return True
 
 
-def log_scalars(module: Any, metrics: Mapping[str, Any], prog_bar: bool = False) -> None:
+def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: bool = False) -> None:
     """``module.log_dict(metrics, prog_bar=prog_bar)`` for numbers and one-element tensors, with ``self.log``'s
     per-call work done once (see the module docstring); the same values reach the same places."""
     from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
@@ -157,7 +158,7 @@ def log_scalars(module: Any, metrics: Mapping[str, Any], prog_bar: bool = False)
         trainer._logger_connector._current_fx = fx
 
 
-def module_reads_dataloader_iter(module: Any) -> bool:
+def module_reads_dataloader_iter(module: LightningModule) -> bool:
     """Whether ``training_step`` takes ``dataloader_iter`` (then ``self.log`` asks for a batch size: its own path)."""
     from lightning.pytorch.core import module as lightning_module
 
