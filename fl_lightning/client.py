@@ -180,10 +180,6 @@ MaxSteps = int | Callable[[int, float], int] | None
 #: {lr: 0.001}}``): a function ``params -> Optimizer``. The same type as ``lightning.pytorch.cli.OptimizerCallable``
 #: (spelled out here so that importing the engine does not import jsonargparse).
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
-#: Bank names of the kept client optimiser state: ``client_optimizer.<key>.<parameter name>``.
-STATE_PREFIX = "client_optimizer."
-#: The per-parameter step counter that says whether a kept state exists yet (0: fresh, as torch builds it).
-STEPS = "steps"
 
 
 @dataclass
@@ -272,17 +268,6 @@ def factory_name(factory: object) -> str:
     candidates = [factory, getattr(factory, "func", None), *getattr(factory, "args", ())]
     cls = next((c for c in candidates if isinstance(c, type)), None)
     return cls.__name__ if cls else repr(factory)
-
-
-def split_state(state: Params) -> tuple[Params, Params]:
-    """(the algorithm's client state, the kept client optimiser state)."""
-    mine = {n: v for n, v in state.items() if n.startswith(STATE_PREFIX)}
-    return {n: v for n, v in state.items() if n not in mine}, mine
-
-
-def state_name(key: str, param: str) -> str:
-    """The bank name of the kept optimiser state ``key`` of parameter ``param``."""
-    return f"{STATE_PREFIX}{key}.{param}"
 
 
 def name_matches(name: str, pattern: str) -> bool:

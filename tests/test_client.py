@@ -1,5 +1,5 @@
 """``fl_lightning/client.py`` (the client contract): the client optimiser's settings and ``build``, ``per_client``,
-the seeds, the kept state's names, ``Penalty`` and ``Objective``, against hand-computed values."""
+the seeds, ``Penalty`` and ``Objective``, against hand-computed values."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from fl_lightning.client import (
-    STEPS,
     ClientOptimizer,
     Objective,
     Penalty,
@@ -19,8 +18,6 @@ from fl_lightning.client import (
     make_generator,
     per_client,
     select,
-    split_state,
-    state_name,
 )
 from tests.helpers.asserts import assert_close_finite
 
@@ -130,16 +127,6 @@ def test_factory_name_names_the_class_a_factory_builds() -> None:
     assert factory_name(functools.partial(torch.optim.RMSprop, lr=0.1)) == "RMSprop"
     assert factory_name(functools.partial(instantiate, torch.optim.Adagrad, lr=0.1)) == "Adagrad"
     assert factory_name("adam") == repr("adam")
-
-
-def test_the_kept_states_names_and_their_split_from_the_algorithms_state() -> None:
-    """``client_optimizer.<key>.<parameter>``; ``split_state`` separates those from the algorithm's own entries."""
-    assert state_name("momentum_buffer", "body.0.weight") == "client_optimizer.momentum_buffer.body.0.weight"
-    assert state_name(STEPS, "w") == "client_optimizer.steps.w"
-    state = {"head.weight": torch.ones(2), state_name("exp_avg", "w"): torch.zeros(2), "v.w": torch.ones(1)}
-    mine, kept = split_state(state)
-    assert set(mine) == {"head.weight", "v.w"} and set(kept) == {"client_optimizer.exp_avg.w"}
-    assert all(a is state[n] for part in (mine, kept) for n, a in part.items())
 
 
 def test_select_keeps_the_names_under_any_prefix() -> None:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from fl_lightning.algorithms.base import Algorithm, ClientUpdate
-from fl_lightning.client import ClientOptimizer, Params, factory_name, split_state
+from fl_lightning.client import ClientOptimizer, Params, factory_name
 from fl_lightning.engine.batched_optim import batched_rule
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.notes import say_once
@@ -44,6 +44,7 @@ from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batch
 from fl_lightning.engine.stacked import VectorizedContext
 from fl_lightning.engine.stacked_nets import has_rnn, per_sample_loss_for, stack, unstack
 from fl_lightning.engine.stacked_paths import StackedPaths, plan_stacked
+from fl_lightning.engine.state import split_state
 
 __all__ = [
     "Decision",

@@ -19,19 +19,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from fl_lightning.client import (
-    STATE_PREFIX,
-    STEPS,
-    ClientOptimizer,
-    Gradient,
-    MaxSteps,
-    Objective,
-    Params,
-    Penalty,
-    PenaltyLike,
-    select,
-    state_name,
-)
+from fl_lightning.client import ClientOptimizer, Gradient, MaxSteps, Objective, Params, Penalty, PenaltyLike, select
+from fl_lightning.engine.state import STATE_PREFIX, STEPS, state_name
 from fl_lightning.errors import ConfigError
 
 

@@ -47,7 +47,6 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn import functional as F
 
 from fl_lightning.client import (
-    STEPS,
     ClientOptimizer,
     Gradient,
     MaxSteps,
@@ -56,7 +55,6 @@ from fl_lightning.client import (
     Penalty,
     PenaltyLike,
     select,
-    state_name,
 )
 from fl_lightning.engine.batched_optim import BatchedRule, batched_rule, per_row
 from fl_lightning.engine.compiled import compiled_step
@@ -84,6 +82,7 @@ from fl_lightning.engine.stacked_nets import (
     unstack,
 )
 from fl_lightning.engine.stacked_paths import CONV_CLIENTS, SgdPath, StackedPaths, conv_clients, plan_stacked
+from fl_lightning.engine.state import STEPS, state_name
 
 __all__ = ["CONV_CLIENTS", "FEATURE_CHUNK", "VectorizedContext", "conv_clients", "feature_chunk"]
 

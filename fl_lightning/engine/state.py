@@ -34,7 +34,18 @@ from fl_lightning.errors import ConfigError
 
 log = logging.getLogger("fl_lightning")
 
-__all__ = ["AUTO_DEVICE_BYTES", "ClientStateBank", "Placement", "choose_placement", "make_bank", "memory_available"]
+__all__ = [
+    "AUTO_DEVICE_BYTES",
+    "STATE_PREFIX",
+    "STEPS",
+    "ClientStateBank",
+    "Placement",
+    "choose_placement",
+    "make_bank",
+    "memory_available",
+    "split_state",
+    "state_name",
+]
 
 Placement = Literal["auto", "device", "host", "disk"]
 
@@ -295,3 +306,21 @@ def make_bank(template: dict[str, Tensor], num_clients: int, client_state: str, 
     if placement != "device":
         log.info("client state: %s (%.3g GB for %d clients)", placement, per_client * num_clients / 1e9, num_clients)
     return ClientStateBank(template, num_clients, placement, directory)
+
+
+# ---- the kept client optimiser state (``model.keep_client_optimizer_state``): bank rows beside the algorithm's ----
+#: Bank names of the kept client optimiser state: ``client_optimizer.<key>.<parameter name>``.
+STATE_PREFIX = "client_optimizer."
+#: The per-parameter step counter that says whether a kept state exists yet (0: fresh, as torch builds it).
+STEPS = "steps"
+
+
+def split_state(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(the algorithm's client state, the kept client optimiser state)."""
+    mine = {n: v for n, v in state.items() if n.startswith(STATE_PREFIX)}
+    return {n: v for n, v in state.items() if n not in mine}, mine
+
+
+def state_name(key: str, param: str) -> str:
+    """The bank name of the kept optimiser state ``key`` of parameter ``param``."""
+    return f"{STATE_PREFIX}{key}.{param}"

@@ -10,9 +10,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import PFedMe
-from fl_lightning.client import ClientOptimizer, state_name
+from fl_lightning.client import ClientOptimizer
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, loss_fn_for, state_template
+from fl_lightning.engine.state import state_name
 from fl_lightning.errors import ConfigError
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.clients import client_context

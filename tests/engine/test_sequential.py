@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fl_lightning.algorithms import FedAvg
-from fl_lightning.client import ClientOptimizer, Objective, Penalty, state_name
+from fl_lightning.client import ClientOptimizer, Objective, Penalty
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import (
     ClientContext,
@@ -34,6 +34,7 @@ from fl_lightning.engine.sequential import (
     steps_per_epoch,
     to_device,
 )
+from fl_lightning.engine.state import state_name
 from fl_lightning.errors import ConfigError
 from fl_lightning.models import DigitsMLP
 from fl_lightning.models.split import SplitModel

@@ -17,7 +17,7 @@ from torch.func import functional_call, grad_and_value
 from torch.nn import functional as F
 
 import fl_lightning.engine.stacked as executors
-from fl_lightning.client import ClientOptimizer, Objective, Penalty, state_name
+from fl_lightning.client import ClientOptimizer, Objective, Penalty
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.sequential import ClientContext, loss_fn_for, state_template
 from fl_lightning.engine.stacked import VectorizedContext
@@ -26,6 +26,7 @@ from fl_lightning.engine.stacked_nets import (
     stack,
     unstack,
 )
+from fl_lightning.engine.state import state_name
 from fl_lightning.models import DigitsCNN, DigitsMLP
 from fl_lightning.models.split import Concat, SplitModel
 from tests.helpers.asserts import assert_close_finite

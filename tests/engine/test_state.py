@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fl_lightning.engine.state import ClientStateBank
+from fl_lightning.engine.state import STEPS, ClientStateBank, split_state, state_name
 from tests.helpers.asserts import assert_close_finite
 
 TEMPLATE_SPEC = {
@@ -177,3 +177,13 @@ def test_a_dtype_change_converts_host_and_disk_tables_and_keeps_their_rows(place
     expected = np.stack([np.full((2, 3), 0.5), np.arange(6, dtype=np.float64).reshape(2, 3)])
     np.testing.assert_array_equal(rows["fc.weight"].numpy(), expected)
     np.testing.assert_array_equal(rows["steps"].numpy(), [9, 3])
+
+
+def test_the_kept_states_names_and_their_split_from_the_algorithms_state() -> None:
+    """``client_optimizer.<key>.<parameter>``; ``split_state`` separates those from the algorithm's own entries."""
+    assert state_name("momentum_buffer", "body.0.weight") == "client_optimizer.momentum_buffer.body.0.weight"
+    assert state_name(STEPS, "w") == "client_optimizer.steps.w"
+    state = {"head.weight": torch.ones(2), state_name("exp_avg", "w"): torch.zeros(2), "v.w": torch.ones(1)}
+    mine, kept = split_state(state)
+    assert set(mine) == {"head.weight", "v.w"} and set(kept) == {"client_optimizer.exp_avg.w"}
+    assert all(a is state[n] for part in (mine, kept) for n, a in part.items())

@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from fl_lightning.algorithms.base import ClientUpdate
-from fl_lightning.client import Params, split_state
+from fl_lightning.client import Params
 from fl_lightning.engine.executor import client_settings, decided, stacked_updates
 from fl_lightning.engine.notes import say_once
 from fl_lightning.engine.rounds import make_generator
 from fl_lightning.engine.stacked import VectorizedContext
 from fl_lightning.engine.stacked_nets import own_stacked_forward, per_sample_loss_for, stack, unstack
+from fl_lightning.engine.state import split_state
 
 if TYPE_CHECKING:
     from fl_lightning.engine.module import FederatedModule
