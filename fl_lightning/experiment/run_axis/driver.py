@@ -138,9 +138,12 @@ def check_run_dirs(
         seed = _last_value(args, "--seed_everything")  # runs that differ only in it share one parse (parse_configs)
         if seed is not None and seed.lstrip("-").isdigit():
             plain["seed_everything"] = int(seed)
+        # a caller's configs may be parsed without the arguments it adds per run (the runner's --ckpt_path last)
+        ckpt_path = _last_value(args, "--ckpt_path") or config.get("ckpt_path")
+        overwrite = _last_value(args, "--overwrite")
+        overwrite = overwrite.lower() == "true" if overwrite is not None else bool(config.get("overwrite"))
         try:
-            plan_run_dir(run_dir, config.get("ckpt_path"), bool(config.get("overwrite")), trainer.get("max_steps"),
-                         plain)  # fmt: skip
+            plan_run_dir(run_dir, ckpt_path, overwrite, trainer.get("max_steps"), plain)
         except RunFinished:
             continue
         except ConfigError as exc:
