@@ -130,6 +130,12 @@ def make_loggers(
         name = wandb.name or run_dir.name
         shown = name if stage == "fit" else f"{name}-{stage}"
         settings = dict(project=wandb.project, group=wandb.group, name=shown, tags=list(wandb.tags), mode=mode)
+        from fl_lightning.loggers import wandb_banner_silenced
+
+        if wandb_banner_silenced():  # W&B's banner and footer: the run's end says where its W&B run is instead
+            import wandb as wandb_module
+
+            settings["settings"] = wandb_module.Settings(silent=True)
         if stage == "fit" and resume and mode == "offline":
             from fl_lightning.loggers import continuing_wandb_logger
 
@@ -707,6 +713,9 @@ def _evaluate(cli: Any, stage: str, ckpt: str) -> dict[str, Any]:
         path = cli.run_dir / f"{stage}.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"{stage}: {path}")
+        from fl_lightning.loggers import finish_wandb
+
+        finish_wandb(cli.trainer.loggers)
     return result
 
 

@@ -221,4 +221,32 @@ def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, floa
         if rows:
             columns = ["client", "samples", "accuracy", "loss"]
             logger.log_table("clients/final", columns=columns, data=[[r[c] for c in columns] for r in rows])
+    finish_wandb(loggers)
+
+
+def wandb_banner_silenced() -> bool:
+    """W&B's own banner and footer (its version, the run history sparklines and summary, where its logs are) say
+    nothing a user acts on: silenced unless the user asks for them with ``WANDB_SILENT=false`` (or
+    ``WANDB_QUIET=false``); ``wandb_where`` then prints the one line that matters."""
+    asked = [os.environ.get(name, "").strip().lower() for name in ("WANDB_SILENT", "WANDB_QUIET")]
+    return not any(value in ("false", "0", "no") for value in asked)
+
+
+def wandb_where(run: Any) -> str:
+    """The one line of W&B's footer a user acts on: an offline run's folder and the command that uploads it, or an
+    online run's page."""
+    if run.settings.mode == "offline":
+        folder = Path(run.settings.sync_dir)
+        return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+    return f"wandb: {run.url}"
+
+
+def finish_wandb(loggers: Any) -> None:
+    """Finish the W&B runs of ``loggers``; when their own footer is silenced (``wandb_banner_silenced``), say where
+    each run is in one line."""
+    for logger in wandb_loggers(loggers):
+        run = logger.experiment
+        where = wandb_where(run) if wandb_banner_silenced() else None
         run.finish()
+        if where:
+            print(where)
