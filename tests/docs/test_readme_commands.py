@@ -216,7 +216,7 @@ def test_the_readme_train_py_commands_run_in_order_at_reduced_rounds(fresh_clone
     runs = fresh_clone / "runs"
     first = json.loads((runs / "first/summary.json").read_text())
     assert first["rounds"] == 3  # the resume line continued runs/first
-    for name in ("lr0.05", "base_fedavg_ft", "X", "quickstart_fedadam", "digits_fedrep"):
+    for name in ("lr0.05", "base_fedavg_ft", "X", "quickstart_fedadam", "adamw_cosine", "digits_fedrep"):
         assert (runs / name / "summary.json").is_file(), name
     tested = json.loads((runs / "quickstart/test.json").read_text())
     assert tested["checkpoint"].endswith("round00001.ckpt") and tested["round"] == 0
@@ -225,10 +225,12 @@ def test_the_readme_train_py_commands_run_in_order_at_reduced_rounds(fresh_clone
     assert sys.argv  # train_here put sys.argv back
 
 
-def experiment_commands() -> list[list[str]]:
-    """The runner's and the run axis' lines of the README that :data:`RUN_HERE` names, in README order."""
-    return [shlex.split(c)[2:] for c in readme_commands()
-            if RUN_HERE.get(c) == "test_the_readme_experiment_commands_run_in_order_at_reduced_rounds"]  # fmt: skip
+def experiment_commands() -> list[tuple[str, list[str]]]:
+    """The runner's and the run axis' lines of the README that :data:`RUN_HERE` names, in README order, as (module,
+    arguments)."""
+    words = [shlex.split(c) for c in readme_commands()
+             if RUN_HERE.get(c) == "test_the_readme_experiment_commands_run_in_order_at_reduced_rounds"]  # fmt: skip
+    return [(w[2], w[3:]) for w in words]
 
 
 @pytest.mark.slow
