@@ -199,6 +199,12 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
                 "--tf32", type=bool, default=True, help="float32 matmuls/convolutions on CUDA use TF32 (set_tf32)."
             )
 
+        def _set_seed(self) -> None:
+            from fl_lightning.config_checks import check_seed
+
+            check_seed({"seed_everything": self.config.get("seed_everything")}, list(args))
+            super()._set_seed()
+
         def before_instantiate_classes(self) -> None:
             from fl_lightning.config_checks import check_ranges
             from fl_lightning.sizes import share_sizes  # issue 18: network sizes come from the data
