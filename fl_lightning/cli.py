@@ -695,13 +695,16 @@ def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
         stopped_early = cli.model.rounds_trained < cli.trainer.max_steps  # EarlyStopping, max_time, …
         if stopped_early:
             summary["stopped_early"] = True
+        where: list[str] = []
         if not trial and cli.trainer.state.status == "finished":  # not after an exception or an interrupt
             (cli.run_dir / "history.json").write_text(json.dumps(cli.model.history, indent=1))
             if clients:
                 write_clients_csv(cli.run_dir / "clients.csv", clients)
-            log_run_end(cli.trainer.loggers, summary, clients)
+            where = log_run_end(cli.trainer.loggers, summary, clients)
             (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: marks the run finished
         print(f"run: {cli.run_dir}" if not trial else "fast_dev_run: nothing written")
+        for line in where:  # where the W&B run is (W&B's own footer is silenced)
+            print(line)
     return summary
 
 
@@ -721,7 +724,8 @@ def _evaluate(cli: Any, stage: str, ckpt: str) -> dict[str, Any]:
         print(f"{stage}: {path}")
         from fl_lightning.loggers import finish_wandb
 
-        finish_wandb(cli.trainer.loggers)
+        for line in finish_wandb(cli.trainer.loggers):
+            print(line)
     return result
 
 

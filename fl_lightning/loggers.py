@@ -210,9 +210,10 @@ def write_clients_csv(path: Path, rows: list[dict[str, float]]) -> None:
         writer.writerows({k: "" if isinstance(v, float) and v != v else v for k, v in row.items()} for row in rows)
 
 
-def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, float]] | None) -> None:
+def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, float]] | None) -> list[str]:
     """The run summary into ``wandb.summary`` (``summary/<key>``) and the per-client table ``clients/final``;
-    then the W&B run is finished (one W&B run per train.py run, also in one process)."""
+    then the W&B run is finished (one W&B run per train.py run, also in one process). Returns ``finish_wandb``'s
+    lines, for the caller to print last."""
     for logger in wandb_loggers(loggers):
         run = logger.experiment
         if "ran" in summary:  # the path that ran and the batched job it shared, beside the config that asked for it
@@ -221,7 +222,7 @@ def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, floa
         if rows:
             columns = ["client", "samples", "accuracy", "loss"]
             logger.log_table("clients/final", columns=columns, data=[[r[c] for c in columns] for r in rows])
-    finish_wandb(loggers)
+    return finish_wandb(loggers)
 
 
 def wandb_banner_silenced() -> bool:
@@ -241,12 +242,13 @@ def wandb_where(run: Any) -> str:
     return f"wandb: {run.url}"
 
 
-def finish_wandb(loggers: Any) -> None:
-    """Finish the W&B runs of ``loggers``; when their own footer is silenced (``wandb_banner_silenced``), say where
-    each run is in one line."""
+def finish_wandb(loggers: Any) -> list[str]:
+    """Finish the W&B runs of ``loggers``; when their own footer is silenced (``wandb_banner_silenced``), returns
+    the line that says where each run is (``wandb_where``), for the caller to print last."""
+    lines = []
     for logger in wandb_loggers(loggers):
         run = logger.experiment
-        where = wandb_where(run) if wandb_banner_silenced() else None
+        if wandb_banner_silenced():
+            lines.append(wandb_where(run))
         run.finish()
-        if where:
-            print(where)
+    return lines
