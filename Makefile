@@ -5,7 +5,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export WANDB_MODE ?= offline
-export WANDB_SILENT ?= true
 
 .PHONY: train test lint experiment reproduce reproduce-digits reproduce-table1-digits leaderboard bench bench-gpu mutation mutation-report clean
 

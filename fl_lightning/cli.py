@@ -130,6 +130,12 @@ def make_loggers(
         name = wandb.name or run_dir.name
         shown = name if stage == "fit" else f"{name}-{stage}"
         settings = dict(project=wandb.project, group=wandb.group, name=shown, tags=list(wandb.tags), mode=mode)
+        from fl_lightning.loggers import wandb_banner_silenced
+
+        if wandb_banner_silenced():  # W&B's banner and footer: the run's end says where its W&B run is instead
+            import wandb as wandb_module
+
+            settings["settings"] = wandb_module.Settings(silent=True)
         if stage == "fit" and resume and mode == "offline":
             from fl_lightning.loggers import continuing_wandb_logger
 
@@ -192,6 +198,12 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             parser.add_argument(
                 "--tf32", type=bool, default=True, help="float32 matmuls/convolutions on CUDA use TF32 (set_tf32)."
             )
+
+        def _set_seed(self) -> None:
+            from fl_lightning.config_checks import check_seed
+
+            check_seed({"seed_everything": self.config.get("seed_everything")}, list(args))
+            super()._set_seed()
 
         def before_instantiate_classes(self) -> None:
             from fl_lightning.config_checks import check_ranges
@@ -528,13 +540,16 @@ def _fit(cli: Any, ckpt: str | None) -> dict[str, Any]:
         stopped_early = cli.model.rounds_trained < cli.trainer.max_steps  # EarlyStopping, max_time, …
         if stopped_early:
             summary["stopped_early"] = True
+        where: list[str] = []
         if not trial and cli.trainer.state.status == "finished":  # not after an exception or an interrupt
             (cli.run_dir / "history.json").write_text(json.dumps(cli.model.history, indent=1))
             if clients:
                 write_clients_csv(cli.run_dir / "clients.csv", clients)
-            log_run_end(cli.trainer.loggers, summary, clients)
+            where = log_run_end(cli.trainer.loggers, summary, clients)
             (cli.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))  # last: marks the run finished
         print(f"run: {cli.run_dir}" if not trial else "fast_dev_run: nothing written")
+        for line in where:  # where the W&B run is (W&B's own footer is silenced)
+            print(line)
     return summary
 
 
@@ -552,6 +567,10 @@ def _evaluate(cli: Any, stage: str, ckpt: str) -> dict[str, Any]:
         path = cli.run_dir / f"{stage}.json"
         path.write_text(json.dumps(result, indent=2))
         print(f"{stage}: {path}")
+        from fl_lightning.loggers import finish_wandb
+
+        for line in finish_wandb(cli.trainer.loggers):
+            print(line)
     return result
 
 

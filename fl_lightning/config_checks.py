@@ -4,12 +4,13 @@ experiment runner's pre-check and the run axis all parse through ``fl_lightning.
 The rules come from the argument's name and its declared default (``inspect.signature`` of the class the
 config names), so an algorithm written later gets them without registering anything:
 
-- a learning rate (``lr``, ``*_lr``) is > 0;
+- a learning rate (``lr``, ``*_lr``) is > 0 and finite;
 - a count of work (``*epochs``, ``*_steps``, ``*_iters``, ``*_rounds``, ``batch_size``) is an integer ≥ 1, or ≥ 0
   where the declared default is 0 (0 then means "off", e.g. ``power_iters``, ``warmup_rounds``);
 - ``trainer.max_steps`` ≥ 1 (the rounds), ``trainer.val_check_interval`` an integer ≥ 1 (rounds) or a fraction in
   (0, 1], ``trainer.check_val_every_n_epoch`` and ``trainer.log_every_n_steps`` ≥ 1, ``checkpoint_every`` ≥ 1,
-  ``wandb.mode`` one of auto/online/offline/disabled, ``wandb.histogram_every`` ≥ 0;
+  ``wandb.mode`` one of auto/online/offline/disabled, ``wandb.histogram_every`` ≥ 0, ``trainer.devices`` ≥ 1 or -1
+  (or ``auto``), ``seed_everything`` in [0, 2**32) (numpy's seeds);
 - ``model.compile: cudagraphs`` only where the trainer runs on CUDA.
 
 Only classes of this project (``fl_lightning.*``, ``datamodules.*``) are checked by name; ``torch.optim`` classes
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -123,8 +125,8 @@ def _walk(node: Any, key: str, class_path: str | None, args: list[str]) -> None:
                              f"set {full} to a number or delete the line to keep the default")  # fmt: skip
         if not _is_number(value):
             continue
-        if LR.search(name) and value <= 0:
-            raise refuse(full, value, "must be positive (> 0, a learning rate)", args,
+        if LR.search(name) and not 0 < value < math.inf:  # an infinite rate trains to NaN: every client dropped
+            raise refuse(full, value, "must be positive and finite (> 0, a learning rate)", args,
                          f"set {full} to a positive number, e.g. 0.01")  # fmt: skip
         if COUNT.search(name):
             default = _default(class_path, name)
@@ -150,6 +152,13 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
         value = trainer.get(name)
         if _is_number(value) and value < 1:
             raise refuse(f"trainer.{name}", value, "must be positive (an integer ≥ 1)", args)
+    devices = trainer.get("devices")
+    if isinstance(devices, str) and re.fullmatch(r"-?\d+", devices.strip()):
+        devices = int(devices)
+    if _is_number(devices) and (devices == 0 or devices < -1):
+        raise refuse("trainer.devices", devices, "must be ≥ 1 (devices per node), -1 (all) or auto", args,
+                     "e.g. --trainer.devices 1")  # fmt: skip
+    check_seed(config, args)
     every = config.get("checkpoint_every")
     if _is_number(every) and every < 1:
         raise refuse("checkpoint_every", every, "must be positive (an integer ≥ 1: rounds between checkpoints)", args,
@@ -173,7 +182,7 @@ def check_ranges(config: dict[str, Any], args: list[str]) -> None:
         for name, allowed in (("momentum", "must be ≥ 0"), ("weight_decay", "must be ≥ 0"),
                               ("eval_last", "must be an integer ≥ 0 (the last rounds evaluated every round)")):
             value = model.get(name)
-            if _is_number(value) and value < 0:  # one key, its value and where it was set
+            if _is_number(value) and not 0 <= value < math.inf:  # one key, its value and where it was set
                 raise refuse(f"model.{name}", value, allowed, args)
         if model.get("compile") == "cudagraphs" and not cuda_for(trainer.get("accelerator")):
             raise refuse("model.compile", "cudagraphs", "captures CUDA graphs: it needs a CUDA device", args,
@@ -187,6 +196,14 @@ def cuda_for(accelerator: Any) -> bool:
     import torch
 
     return str(accelerator) in ("gpu", "cuda", "auto", "None") and torch.cuda.is_available()
+
+
+def check_seed(config: dict[str, Any], args: list[str]) -> None:
+    """``seed_everything`` is one of numpy's seeds (LightningCLI seeds before the other checks run, with numpy's
+    own line on a negative seed)."""
+    seed = config.get("seed_everything")
+    if _is_number(seed) and not 0 <= seed < 2**32:
+        raise refuse("seed_everything", seed, "must be an integer in [0, 2**32)", args, "e.g. --seed_everything 0")
 
 
 def run_dir_problem(run_dir: Path) -> str | None:

@@ -210,9 +210,10 @@ def write_clients_csv(path: Path, rows: list[dict[str, float]]) -> None:
         writer.writerows({k: "" if isinstance(v, float) and v != v else v for k, v in row.items()} for row in rows)
 
 
-def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, float]] | None) -> None:
+def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, float]] | None) -> list[str]:
     """The run summary into ``wandb.summary`` (``summary/<key>``) and the per-client table ``clients/final``;
-    then the W&B run is finished (one W&B run per train.py run, also in one process)."""
+    then the W&B run is finished (one W&B run per train.py run, also in one process). Returns ``finish_wandb``'s
+    lines, for the caller to print last."""
     for logger in wandb_loggers(loggers):
         run = logger.experiment
         if "ran" in summary:  # the path that ran and the batched job it shared, beside the config that asked for it
@@ -221,4 +222,33 @@ def log_run_end(loggers: Any, summary: dict[str, Any], rows: list[dict[str, floa
         if rows:
             columns = ["client", "samples", "accuracy", "loss"]
             logger.log_table("clients/final", columns=columns, data=[[r[c] for c in columns] for r in rows])
+    return finish_wandb(loggers)
+
+
+def wandb_banner_silenced() -> bool:
+    """W&B's own banner and footer (its version, the run history sparklines and summary, where its logs are) say
+    nothing a user acts on: silenced unless the user asks for them with ``WANDB_SILENT=false`` (or
+    ``WANDB_QUIET=false``); ``wandb_where`` then prints the one line that matters."""
+    asked = [os.environ.get(name, "").strip().lower() for name in ("WANDB_SILENT", "WANDB_QUIET")]
+    return not any(value in ("false", "0", "no") for value in asked)
+
+
+def wandb_where(run: Any) -> str:
+    """The one line of W&B's footer a user acts on: an offline run's folder and the command that uploads it, or an
+    online run's page."""
+    if run.settings.mode == "offline":
+        folder = Path(run.settings.sync_dir)
+        return f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+    return f"wandb: {run.url}"
+
+
+def finish_wandb(loggers: Any) -> list[str]:
+    """Finish the W&B runs of ``loggers``; when their own footer is silenced (``wandb_banner_silenced``), returns
+    the line that says where each run is (``wandb_where``), for the caller to print last."""
+    lines = []
+    for logger in wandb_loggers(loggers):
+        run = logger.experiment
+        if wandb_banner_silenced():
+            lines.append(wandb_where(run))
         run.finish()
+    return lines

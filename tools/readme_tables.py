@@ -7,7 +7,10 @@ rendered from a file that a command wrote and that is kept under ``docs/measured
   (copied to ``docs/measured/quickstart_summary.json``), rendered by ``fl_lightning.results.summary_table`` as
   train.py does;
 * ``dp``: the accuracy-against-ε table of ``python -m experiments dp``, from its ``results/dp/results.json`` (copied
-  to ``docs/measured/dp_results.json``): mean ± population std over seeds, in %, per σ, as the command prints it.
+  to ``docs/measured/dp_results.json``): mean ± population std over seeds, in %, per σ, as the command prints it;
+* ``batched_runs``: the grids of ``python -m benchmarks.batched_runs --workloads table1_digits digits_4x5``, from its
+  ``results/bench/run_axis/results.json`` (copied to ``docs/measured/batched_runs_results.json``): each grid's
+  CPU and wall seconds on both sides with their ratios, then each side's CPU seconds by part and the ceiling.
 
     python tools/readme_tables.py --check          # exit 1 naming each block that differs from its source
     python tools/readme_tables.py --write          # rewrite the blocks from the sources
@@ -31,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # python tools/readme_tables.py: this checkout's fl_lightning
     sys.path.insert(0, str(ROOT))
 README = ROOT / "README.md"
-SOURCES = {"quickstart": ROOT / "docs/measured/quickstart_summary.json", "dp": ROOT / "docs/measured/dp_results.json"}
+SOURCES = {"quickstart": ROOT / "docs/measured/quickstart_summary.json", "dp": ROOT / "docs/measured/dp_results.json",
+           "batched_runs": ROOT / "docs/measured/batched_runs_results.json"}  # fmt: skip
 BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- /generated -->)", re.S)
 
 #: the DP table's columns: the method's name in results.json -> its header
@@ -81,7 +85,55 @@ def dp(records: list[dict[str, Any]]) -> str:
     return text
 
 
-RENDER: dict[str, Callable[[Any], str]] = {"quickstart": quickstart, "dp": dp}
+#: the grids of ``benchmarks.batched_runs``: workload -> (its row's name, its short name in the parts table)
+GRIDS = {"table1_digits": ("`make reproduce-table1-digits`", "Table 1"),
+         "digits_4x5": ("FedAvg, FedProx, Ditto, FedRep of Table 1", "4 × 5")}  # fmt: skip
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s"
+
+
+def batched_runs(records: list[dict[str, Any]]) -> str:
+    """The grids' table (both sides' CPU and wall seconds, the ratios, the largest difference of any final / last10 /
+    best) and the CPU seconds by part (``benchmarks.batched_runs.cpu_parts``), with each grid's ceiling."""
+    figures: dict[str, dict[str, float]] = {}
+    parts: dict[str, dict[str, dict[str, float]]] = {}
+    settings: dict[str, dict[str, str]] = {}
+    for r in records:
+        if r["experiment"] not in GRIDS:
+            continue
+        settings[r["experiment"]] = dict(kv.split("=") for kv in r["setting"].split(",")[1:])
+        if r["metric"].startswith("cpu_s:"):
+            parts.setdefault(r["experiment"], {}).setdefault(r["method"], {})[r["metric"][6:]] = r["value"]
+        else:
+            figures.setdefault(r["experiment"], {})[r["metric"]] = r["value"]
+    grids = [g for g in GRIDS if g in figures]
+    header = ("grid", "same runs one at a time, sequential executor", "default command", "CPU ratio", "wall ratio",
+              "largest difference")  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for g in grids:
+        f, s = figures[g], settings[g]
+        diff = "0 (every final, last10, best)" if f["max_abs_diff"] == 0 else f"{f['max_abs_diff']:.2g}"
+        cells = [f"{GRIDS[g][0]} ({s['methods']} methods × {s['seeds']} seeds, {s['rounds']} rounds)",
+                 f"{_seconds(f['ref_cpu_s'])} CPU / {_seconds(f['ref_wall_s'])} wall",
+                 f"{_seconds(f['cpu_s'])} / {_seconds(f['wall_s'])}", f"{f['speedup_cpu']:.2f}×",
+                 f"{f['speedup_wall']:.2f}×", diff]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    sides = [f"{GRIDS[g][1]}, {side}" for g in grids for side in ("sequential", "default")]
+    lines += ["", "| part | " + " | ".join(sides) + " |", "|---" * (1 + len(sides)) + "|"]
+    for part in parts[grids[0]]["sequential"]:
+        cells = []
+        for g in grids:
+            ref, fast = parts[g]["sequential"][part], parts[g]["default command"][part]
+            cells += [_seconds(ref), _seconds(fast) + (f" ({ref / fast:.2f}×)" if part.startswith("client") else "")]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    ceilings = " and ".join(f"{figures[g]['speedup_cpu_ceiling']:.2f}× on {GRIDS[g][1]}" for g in grids)
+    lines += ["", f"Ceiling of the CPU ratio with client training and evaluation free: {ceilings}."]
+    return "\n".join(lines) + "\n"
+
+
+RENDER: dict[str, Callable[[Any], str]] = {"quickstart": quickstart, "dp": dp, "batched_runs": batched_runs}
 
 
 def render(name: str, source: Path | None = None) -> str:

@@ -86,9 +86,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     import yaml
 
     from fl_lightning.experiment.runner import run_experiment
-    from fl_lightning.experiment.spec import ExperimentError, load_experiment, override
+    from fl_lightning.experiment.spec import ExperimentError, figure_problem, load_experiment, override
 
     experiment = load_experiment(args.file, runs_dir=args.runs_dir)
+    for metric in args.metric or ():  # checked before any run, as the file's report.metrics are
+        problem = figure_problem(metric)
+        if problem:
+            raise ExperimentError(f"--metric {problem}")
+    if args.curve is not None and "/" not in args.curve:
+        raise ExperimentError(f"--curve: expected a metrics.csv column such as val/acc_mean, got {args.curve!r}")
     unknown = [b for b in args.by or () if b not in (*experiment.axes, "experiment")]
     if unknown:
         raise ExperimentError(f"--by {unknown[0]}: not an axis of {args.file}; fix: one of "

@@ -491,6 +491,25 @@ class ExperimentResult:
     plots: list[Path] = field(default_factory=list)
 
 
+def check_no_other_runs(
+    experiment: Experiment, runs: list[RunSpec], max_steps: dict[str, int | None], overwrite: bool
+) -> None:
+    """Without ``overwrite``, a grid whose run dirs hold runs of other training arguments (their ``run.json``;
+    e.g. the same file rerun with another ``--set``) is refused whole, in one line, before anything is written:
+    the runs that could go on would report beside runs the command never made."""
+    from fl_lightning.experiment.spec import ExperimentError
+
+    if overwrite:
+        return
+    other = [r for r in runs if run_state(r, max_steps.get(str(r.run_dir))) == "mismatch"]
+    if other:
+        more = f" (and {len(other) - 1} more run dirs)" if len(other) > 1 else ""
+        raise ExperimentError(
+            f"{experiment.source}: {other[0].run_dir}{more} holds a run with other training arguments (its run.json); "
+            "fix: --overwrite reruns them, or --runs-dir another folder"
+        )
+
+
 def choose(
     experiment: Experiment, tuning: list[TuneRun], lost: Collection[str] = ()
 ) -> dict[tuple[str, ...], Choice]:
@@ -580,6 +599,7 @@ def run_experiment(
             state = run_state(run, max_steps[str(run.run_dir)]) if not tuning else "after tuning"
             print(f"[{state}] {run.wandb_name}: {run.command()}{note}", file=out)
         return ExperimentResult(0, [], [])
+    check_no_other_runs(experiment, tune_specs + ([] if tuning else runs), max_steps, overwrite)  # (tuned: not known)
     experiment.out_dir.mkdir(parents=True, exist_ok=True)
     tune_outcomes: list[Outcome] = []
     choices: dict[tuple[str, ...], Choice] = {}
@@ -617,10 +637,12 @@ def run_experiment(
                 or choices[experiment.tune_key(r.points)].point is not None]  # fmt: skip
         resolved = validate_runs(experiment, runs)
         max_steps = {d: (cfg.get("trainer") or {}).get("max_steps") for d, cfg in resolved.items()}
-    # a run refused because its dir holds another run's files never runs: it is not listed, and a rerun refused
-    # whole leaves commands.sh as it was
-    listed = [r for r in tune_specs + runs
-              if overwrite or run_state(r, max_steps.get(str(r.run_dir))) != "mismatch"]  # fmt: skip
+    # a run refused because its dir holds another run's files (possible here only for a chosen setting after
+    # tuning: check_no_other_runs refused the others up front) never runs: it is not listed in commands.sh, and
+    # that other run is not reported as this grid's
+    others = set() if overwrite else {
+        str(r.run_dir) for r in tune_specs + runs if run_state(r, max_steps.get(str(r.run_dir))) == "mismatch"}
+    listed = [r for r in tune_specs + runs if str(r.run_dir) not in others]
     if listed:
         (experiment.out_dir / "commands.sh").write_text(
             f"# one line per run of {experiment.source}\n" + "\n".join(r.command() for r in listed) + "\n"
@@ -632,7 +654,8 @@ def run_experiment(
     outcomes = tune_outcomes + outcomes
     if any(o.status == "interrupted" for o in outcomes):
         return ExperimentResult(130, outcomes, [])
-    finished = [load_run_dir(r.run_dir) for r in runs if (r.run_dir / "summary.json").is_file()]
+    finished = [load_run_dir(r.run_dir) for r in runs
+                if (r.run_dir / "summary.json").is_file() and str(r.run_dir) not in others]  # fmt: skip
     failed = [o for o in outcomes if o.status == "failed"]
     failed_code = bool(failed) or any(c.point is None for c in choices.values())
     result = ExperimentResult(1 if failed_code else 0, outcomes, finished)

@@ -84,6 +84,11 @@ RANGES = {
     "unknown W&B mode": (["--wandb.mode", "onlin"], "wandb.mode", "'onlin'", "offline"),
     "empty W&B tag": (["--wandb.tags", '[""]'], "wandb.tags", "''", "1 to 64 characters"),
     "W&B project with a slash": (["--wandb.project", "me/proj"], "wandb.project", "'me/proj'", "without /"),
+    # held out in issue 45's second round: an infinite rate trained to NaN (every client dropped, exit 0), a
+    # negative seed was numpy's line without the key, zero devices Lightning's line without the key or the fix
+    "infinite learning rate": (["--model.lr", "1e999"], "model.lr", "inf", "finite"),
+    "negative seed": (["--seed_everything", "-1"], "seed_everything", "-1", "[0, 2**32)"),
+    "zero devices": (["--trainer.devices", "0"], "trainer.devices", "0", "-1 (all) or auto"),
 }
 
 

@@ -520,6 +520,41 @@ def test_there_are_at_least_30_cases():
     assert len(CASES) >= 30
 
 
+#: W&B's banner and footer (issue 45): its version, where it keeps logs, its sparkline history and summary
+WANDB_BANNER = ("Tracking run with wandb", "syncing is set to `offline`", "Run data is saved locally", "wandb leet",
+                "Run history:", "Run summary:", "Find logs at", "You can sync this run")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_wandb_says_where_the_offline_run_is_in_one_line_unless_its_own_output_is_asked_for(tmp_path):
+    """W&B offline with neither WANDB_SILENT nor WANDB_QUIET set (a user's first run): a fit and a validate print no
+    line of W&B's banner or footer, and one line each naming the offline run's folder and the command that uploads
+    it (the folder exists); with ``WANDB_SILENT=false`` W&B's own banner and footer are back and the line is not."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_SILENT", "WANDB_QUIET")}
+    env["WANDB_MODE"] = "offline"
+    quick = [*QUICK, "--trainer.max_steps", "1", "--model.algorithm.init_args.head_epochs", "1"]
+
+    def command(*args: str, **more: str) -> tuple[str, str]:
+        out = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env={**env, **more},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout, out.stderr
+
+    run = str(tmp_path / "run")
+    for args in ([*quick, "--run_dir", run], ["validate", *quick, "--run_dir", run, "--ckpt_path", "last"]):
+        stdout, stderr = command(*args)
+        banner = [line for line in (stdout + stderr).splitlines() if any(b in line for b in WANDB_BANNER)]
+        assert banner == [], banner
+        where = [line for line in (stdout + stderr).splitlines() if line.startswith("wandb:")]
+        assert len(where) == 1, where
+        folder = where[0].split("wandb: offline run in ", 1)[1].split(";")[0]
+        assert where[0] == f"wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+        assert Path(folder).parent == (tmp_path / "run" / "wandb").resolve() and Path(folder).is_dir()
+    stdout, stderr = command(*quick, "--run_dir", str(tmp_path / "asked"), WANDB_SILENT="false")
+    assert "Tracking run with wandb" in stderr and "You can sync this run" in stderr
+    assert "wandb: offline run in" not in stdout + stderr
+
+
 #: third-party lines a user cannot act on (issue 45): none may reach the console of a run, a resume or a test
 NOISE = ("anonymous setting", "Trainer.fit` stopped", "exists and is not empty", "weights_only", "Be aware that",
          "Restored all states", "Loaded model weights", "Warning", "warn(")  # fmt: skip

@@ -104,16 +104,54 @@ def test_train_py_refuses_an_experiments_folder_as_its_run_dir(tiny_grid, capsys
     assert sorted(str(p) for p in runs.rglob("*")) == before
 
 
-def test_a_refused_rerun_leaves_commands_sh_as_it_was(tmp_path, capsys):
-    """Rerunning a finished grid with another learning rate is refused run by run (their dirs hold runs of other
-    arguments): commands.sh keeps the commands that ran, not the ones that never did."""
-    path = write_experiment(tmp_path, tiny(rounds=1, seeds=[0]))
-    runs = tmp_path / "runs"
-    assert main(["run", str(path), "--runs-dir", str(runs)]) == 0
-    commands = (runs / "tiny" / "commands.sh").read_text()
-    assert main(["run", str(path), "--runs-dir", str(runs), "--set", "model.lr=0.05"]) == 1
-    assert "holds a run with other training arguments" in capsys.readouterr().err
-    assert (runs / "tiny" / "commands.sh").read_text() == commands and "model.lr=0.05" not in commands
+def tree(folder: Path) -> dict[str, str]:
+    """Every file (its bytes' hash) and folder under ``folder``."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_tiny(tmp_path_factory) -> Path:
+    """A finished one-round grid (2 methods, seed 0) with its report; returns its folder (``exp.yaml``, ``runs/``)."""
+    folder = tmp_path_factory.mktemp("finished_tiny")
+    path = write_experiment(folder, tiny(rounds=1, seeds=[0]))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["run", str(path), "--runs-dir", str(folder / "runs")]) == 0
+    assert all((folder / "runs" / "tiny" / name).is_file() for name in ("results.json", "commands.sh"))
+    return folder
+
+
+#: reruns of a finished grid that are refused: arguments after ``run exp.yaml --runs-dir runs`` -> the one line
+REFUSED_RERUNS = {
+    "another learning rate (every run dir holds a run of other arguments)": (
+        ["--set", "model.lr=0.05"], "runs/tiny/fedavg/digits/s0 (and 1 more run dirs) holds a run with other "
+        "training arguments (its run.json); fix: --overwrite reruns them"),
+    "a value of the wrong type": (["--set", "model.lr=abc"], "model.lr: value 'abc' given"),
+    "an override of a key that does not exist": (["--set", "model.nope=1"], "unrecognized arguments: --model.nope=1"),
+    "--set without a value": (["--set", "model.lr"], "--set model.lr: expected KEY=VALUE"),
+    "a report metric no run has": (["--metric", "last1"], "did you mean last10?"),
+    "a curve that is not a metrics.csv column": (["--curve", "acc_mean"], "--curve: expected a metrics.csv column"),
+    "--by an axis the file does not have": (["--by", "methods"], "--by methods: not an axis"),
+    "--jobs 0": (["--jobs", "0"], "--jobs 0: expected ≥ 1"),
+    "--batch-runs 0": (["--batch-runs", "0"], "--batch-runs 0: expected ≥ 1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED_RERUNS))
+def test_a_refused_rerun_leaves_every_file_byte_identical(case, finished_tiny, capsys, monkeypatch):
+    """Refused whole, in one line (exit code 2), before any run starts: the runs, their logs, commands.sh and the
+    report (results.json, the table, the plots) keep their bytes; a rerun refused because its run dirs hold runs of
+    other arguments neither trains the others nor reports those runs as its own."""
+    args, expected = REFUSED_RERUNS[case]
+    monkeypatch.chdir(finished_tiny)
+    before = tree(finished_tiny)
+    code = main(["run", "exp.yaml", "--runs-dir", "runs", *args])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+    assert tree(finished_tiny) == before
 
 
 def test_a_failing_run_is_reported_and_the_others_go_on(tmp_path, capsys):

@@ -86,3 +86,46 @@ def test_the_dp_table_renders_the_dp_commands_results_json(tmp_path, capsys):
     local = [json.loads((out / "runs" / f"local_seed{s}_r1" / "summary.json").read_text())["final"] for s in (0, 1)]
     mean, std = 100 * statistics.fmean(local), 100 * statistics.pstdev(local)
     assert table[-1] == f"Local Only (nothing uploaded, ε = 0), same rounds and seeds: {mean:.1f} ± {std:.1f}."
+
+
+def test_the_batched_runs_source_is_the_readme_command_at_full_size():
+    """The kept results.json is ``--workloads table1_digits digits_4x5 --grid_rounds 100``: Table 1's 15 methods × 3
+    seeds and the 4 × 5 grid, 100 rounds, every number equal on both sides."""
+    records = json.loads(readme_tables.SOURCES["batched_runs"].read_text())
+    settings = {r["experiment"]: r["setting"] for r in records}
+    assert settings == {"table1_digits": "table1_digits,methods=15,seeds=3,rounds=100",
+                        "digits_4x5": "digits_4x5,methods=4,seeds=5,rounds=100"}  # fmt: skip
+    assert all(r["value"] == 0 for r in records if r["metric"] == "max_abs_diff")
+    assert "--workloads table1_digits digits_4x5 --grid_rounds 100" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_batched_runs_tables_render_what_the_benchmark_measured(tmp_path, capsys, monkeypatch):
+    """``batched_runs --quick`` on the 4 × 5 grid (3 rounds): the rendered tables hold its measured seconds (checked
+    by structure, since they are times: each cell is the record's value, each ratio the quotient of the two sides),
+    the parts of each side add up to its total CPU seconds, and the printed ceiling is the benchmark's."""
+    from benchmarks import batched_runs
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bench"
+    assert batched_runs.main(["--quick", "--workloads", "digits_4x5", "--out", str(out)]) == 0
+    capsys.readouterr()
+    records = json.loads((out / "results.json").read_text())
+    value = {(r["method"], r["metric"]): r["value"] for r in records}
+    lines = readme_tables.batched_runs(records).splitlines()
+    row = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert row[0] == "FedAvg, FedProx, Ditto, FedRep of Table 1 (4 methods × 5 seeds, 3 rounds)"
+    seconds = [float(x) for x in re.findall(r"([\d.]+) s", row[1] + row[2])]
+    ref_cpu, ref_wall, cpu, wall = (value[("default command", m)] for m in ("ref_cpu_s", "ref_wall_s", "cpu_s",
+                                                                            "wall_s"))
+    assert seconds == [round(ref_cpu, 1), round(ref_wall, 1), round(cpu, 1), round(wall, 1)]
+    assert row[3] == f"{ref_cpu / cpu:.2f}×" and row[4] == f"{ref_wall / wall:.2f}×"
+    assert row[5] == "0 (every final, last10, best)"
+    parts = [[c.strip() for c in line.strip("|").split("|")] for line in lines[6:13]]
+    assert [p[0] for p in parts][:2] == ["client training", "client evaluation"] and parts[-1][0] == "everything else"
+    for side, column, total in (("sequential", 1, ref_cpu), ("default command", 2, cpu)):
+        spent = [value[(side, f"cpu_s:{p[0]}")] for p in parts]
+        assert [float(p[column].split(" s")[0]) for p in parts] == [round(v, 1) for v in spent]
+        assert sum(spent) == pytest.approx(total)
+    ceiling = value[("default command", "speedup_cpu_ceiling")]
+    assert lines[-1] == f"Ceiling of the CPU ratio with client training and evaluation free: {ceiling:.2f}× on 4 × 5."

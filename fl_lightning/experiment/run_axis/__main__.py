@@ -52,8 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = logs = None
         if "--runs" in args:
-            path = Path(args[args.index("--runs") + 1])
-            runs = json.loads(path.read_text())
+            j = args.index("--runs")
+            if j + 1 >= len(args):
+                raise ConfigError("--runs: expected a JSON file (a list of train.py argument lists)")
+            path = Path(args[j + 1])
+            if not path.is_file():
+                raise ConfigError(f"--runs {path}: no such file")
+            try:
+                runs = json.loads(path.read_text())
+            except ValueError as exc:  # not JSON, or not text
+                raise ConfigError(f"--runs {path}: not JSON ({one_line(exc)})") from None
             if isinstance(runs, list) and runs and all(isinstance(r, dict) and "args" in r for r in runs):
                 names = [str(r.get("name", f"run {i}")) for i, r in enumerate(runs)]
                 logs = [r["log"] for r in runs] if all("log" in r for r in runs) else None
@@ -84,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = BatchedRuns(runs, names, logs=logs).run()
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    if outcomes and all(o.refused for o in outcomes):  # refused before any run wrote anything: as train.py, exit 2
+        errors = list(dict.fromkeys(o.error for o in outcomes))
+        if len(errors) == 1:  # the same refusal for every run (they share their config but for the seed)
+            print(f"error: {errors[0]}", file=sys.stderr)
+        else:
+            for o, name in zip(outcomes, names or [f"run {i}" for i in range(len(outcomes))]):
+                print(f"error: {name}: {o.error}", file=sys.stderr)
         return 2
     failed = [o for o in outcomes if o.status != "done"]
     for o in outcomes:

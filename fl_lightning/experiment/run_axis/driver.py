@@ -39,6 +39,8 @@ class RunOutcome:
     status: str = "pending"
     summary: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    #: the run was refused before it wrote anything (a ``ConfigError`` or a missing file: train.py's exit code 2)
+    refused: bool = False
 
 
 def parse_config(args: Sequence[str]) -> dict[str, Any]:
@@ -82,22 +84,70 @@ def check_batchable(configs: Sequence[dict[str, Any]], names: Sequence[str] | No
             )
 
 
+def _last_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``args``."""
+    given = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
+             if a.split("=", 1)[0] == flag and ("=" in a or i + 1 < len(args))]  # fmt: skip
+    return given[-1] if given else None
+
+
+def run_dir_of(args: Sequence[str], config: dict[str, Any]) -> Path:
+    """Where the run writes, as train.py decides it: its last ``--run_dir`` argument, else its config's, else
+    ``runs/<config names>`` (``cli.default_run_dir``)."""
+    from fl_lightning.cli import default_run_dir
+
+    run_dir = _last_value(args, "--run_dir") or config.get("run_dir")
+    return Path(str(run_dir)) if run_dir else default_run_dir(config)
+
+
 def check_own_run_dirs(
     arg_lists: Sequence[Sequence[str]], configs: Sequence[dict[str, Any]], names: Sequence[str]
 ) -> None:
-    """One ``ConfigError`` line if two runs of a job would write one run dir (their files would mix): each run's
-    last ``--run_dir`` argument, else its config's."""
+    """One ``ConfigError`` line if two runs of a job would write one run dir (their files would mix)."""
     seen: dict[str, str] = {}
     for name, args, config in zip(names, arg_lists, configs):
-        given = [a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args)
-                 if a.split("=", 1)[0] == "--run_dir" and ("=" in a or i + 1 < len(args))]  # fmt: skip
-        run_dir = given[-1] if given else config.get("run_dir")
-        if run_dir is None:
-            continue
-        key = str(Path(str(run_dir)).resolve())
+        run_dir = run_dir_of(args, config)
+        key = str(run_dir.resolve())
         if key in seen:
             raise ConfigError(f"{name} and {seen[key]} both write run_dir {run_dir}: give each run its own --run_dir")
         seen[key] = name
+
+
+def check_run_dirs(
+    arg_lists: Sequence[Sequence[str]], configs: Sequence[dict[str, Any]], names: Sequence[str]
+) -> None:
+    """Each run's dir as train.py's fit will find it, checked before any run starts (``cli.plan_run_dir``, which
+    changes nothing): a dir that cannot hold a run, one that holds a run when neither ``--ckpt_path last`` nor
+    ``--overwrite true`` is given, or a resume with settings that change results refuses the whole job in one line,
+    so that a refused job leaves every run dir as it was (a finished run resumed is no refusal: it reports itself)."""
+    import json
+
+    from fl_lightning.cli import RunFinished, plan_run_dir
+    from fl_lightning.config_checks import run_dir_problem
+    from fl_lightning.errors import one_line
+
+    for name, args, config in zip(names, arg_lists, configs):
+        trainer = config.get("trainer") or {}
+        if trainer.get("fast_dev_run"):  # writes nothing
+            continue
+        run_dir = run_dir_of(args, config)
+        problem = run_dir_problem(run_dir)
+        if problem:
+            raise ConfigError(f"{name}: {problem}; fix: pick another --run_dir")
+        plain = json.loads(json.dumps(config, default=str))  # as train.py dumps it for the resume check
+        seed = _last_value(args, "--seed_everything")  # runs that differ only in it share one parse (parse_configs)
+        if seed is not None and seed.lstrip("-").isdigit():
+            plain["seed_everything"] = int(seed)
+        # a caller's configs may be parsed without the arguments it adds per run (the runner's --ckpt_path last)
+        ckpt_path = _last_value(args, "--ckpt_path") or config.get("ckpt_path")
+        overwrite = _last_value(args, "--overwrite")
+        overwrite = overwrite.lower() == "true" if overwrite is not None else bool(config.get("overwrite"))
+        try:
+            plan_run_dir(run_dir, ckpt_path, overwrite, trainer.get("max_steps"), plain)
+        except RunFinished:
+            continue
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {one_line(exc)}") from None
 
 
 def _short(text: str) -> str:
@@ -140,6 +190,7 @@ class BatchedRuns:
         if check:
             check_batchable(self.configs, self.names)
             check_own_run_dirs(self.arg_lists, self.configs, self.names)
+            check_run_dirs(self.arg_lists, self.configs, self.names)
         self.lockstep = Lockstep()
         self.pool = RowPool()
         self.outcomes = [RunOutcome(a) for a in self.arg_lists]
@@ -225,7 +276,9 @@ class BatchedRuns:
                 outcome.status, outcome.error = "interrupted", "interrupted"
             except (ConfigError, FileNotFoundError, TrainingDiverged) as exc:
                 outcome.status, outcome.error = "failed", one_line(exc)
-                print(f"error: {self.names[i]}: {outcome.error}", file=sys.stderr)
+                outcome.refused = not isinstance(exc, TrainingDiverged)
+                if self._files:  # into the run's own log; without logs the caller reports the job's outcomes
+                    print(f"error: {self.names[i]}: {outcome.error}", file=sys.stderr)
             except BaseException as exc:  # noqa: BLE001 - reported per run; the other runs go on
                 if self.lockstep.stopping:
                     outcome.status, outcome.error = "interrupted", "interrupted"
