@@ -46,7 +46,7 @@ def _blocks(text: str) -> list[str]:
     """The command blocks of ``text``: fenced ``bash`` blocks, and indented blocks (4 spaces, after a blank line)."""
     fenced = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     outside = re.sub(r"```.*?```", "", text, flags=re.S)
-    indented = re.findall(r"\n\n((?: {4}\S.*\n)+)", outside)
+    indented = re.findall(r"(?<=\n\n)((?: {4}\S.*\n)+)", outside)  # two blocks may share one blank line
     return fenced + ["\n".join(ln[4:] for ln in block.splitlines()) for block in indented]
 
 
@@ -115,7 +115,11 @@ RUN_HERE = {
 RUN_ELSEWHERE = {
     "python -m experiments dp":
         "tests/tools/test_readme_tables.py::test_the_dp_table_renders_the_dp_commands_results_json",
-    "python -m experiments representation": "tests/experiments/test_linear_representation.py::test_reproduce_quick",
+    "python -m experiments representation": "tests/experiments/test_representation.py::test_reproduce_quick",
+    "python -m experiments instructions":
+        "tests/experiments/test_instructions.py::test_the_command_writes_feddpas_layout_and_a_covering_tokenizer",
+    "python train.py --config configs/adapters/instruction_fedit.yaml":
+        "tests/configs/test_adapters.py::test_the_instruction_config_runs_on_the_data_its_command_writes",
 }  # fmt: skip
 
 #: commands no test runs, and why (each is long, needs hardware, a cluster or a W&B account, or is the suite itself)
@@ -128,7 +132,7 @@ NOT_RUN = {
     "python -m pytest tests -m gpu -q": "needs a CUDA machine",
     "make mutation": "hours of mutation testing (tools/mutation_run.py has its own tests)",
     "make mutation MUTANTS=fl_lightning.metrics*": "mutation testing of one module (minutes to hours)",
-    "make mutation-report": "reads the verdicts of a mutation run (tests/tools/test_mutation_tools.py)",
+    "make mutation-report": "reads the verdicts of a mutation run (tests/tools/test_mutation_report.py)",
     "python -m fl_lightning.experiment run configs/experiments/table1_digits.yaml --jobs 2":
         "45 runs in 15 worker processes; the same file runs through `python -m experiments table1` in "
         "test_make_reproduce_runs_every_runner_at_its_smallest_size, and --jobs 2 in the worker_grid fixture "
