@@ -42,6 +42,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -573,7 +574,8 @@ def resolve_device(requested: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        raise SystemExit(2)
     return device
 
 

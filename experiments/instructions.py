@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
 COLORS = ["red", "blue", "green", "black", "white", "brown"]
@@ -77,5 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("data/instructions"))
     parser.add_argument("--clients", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.clients < 1:
+        print(f"error: --clients {args.clients}: expected at least 1 client", file=sys.stderr)  # nothing written
+        return 2
     print(f"data: {write_data(args.out, args.clients)}")
     return 0

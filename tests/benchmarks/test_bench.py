@@ -52,3 +52,15 @@ def test_the_run_axis_workload_imports_the_batched_runs_benchmark(tmp_path, monk
     monkeypatch.setattr(batched_runs, "main", lambda argv: seen.append(argv) or 0)
     assert bench.main([*TINY, "--out", str(tmp_path), "--workloads", "run_axis", "--run_axis_args", "--seeds 2"]) == 0
     assert seen == [["--out", str(tmp_path / "run_axis"), "--quick", "--seeds", "2"]]
+
+
+def test_cuda_asked_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch) -> None:
+    import torch
+
+    from benchmarks.bench import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        resolve_device("cuda")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --device cuda but torch sees no CUDA device"]

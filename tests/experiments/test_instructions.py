@@ -29,3 +29,11 @@ def test_the_command_writes_feddpas_layout_and_a_covering_tokenizer(tmp_path, ca
             assert r["output"] == (color if c == 0 else f"answer {'yes' if animal in PETS else 'no'}")
             text = alpaca_prompt(r["instruction"], r.get("input")) + r["output"]
             assert "[UNK]" not in tok.convert_ids_to_tokens(tok(text)["input_ids"])
+
+
+def test_no_clients_is_refused_in_one_line_and_writes_nothing(tmp_path, capsys) -> None:
+    from experiments.instructions import main
+
+    assert main(["--clients", "0", "--out", str(tmp_path / "data")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --clients 0: expected at least 1 client"]
+    assert list(tmp_path.iterdir()) == []
