@@ -75,8 +75,8 @@ def observed_round(module, dm, rounds=1, **trainer_kwargs):
         module.ledger.observers.append(lambda r, c, t: uploads.append((r, c, {k: v.clone() for k, v in t.items()})))
 
     module.attach_data = attach_and_observe
-    original_log_dict = module.log_dict
-    module.log_dict = lambda metrics, **kw: (logged.append(dict(metrics)), original_log_dict(metrics, **kw))
+    original_log_scalars = module.log_scalars  # the module's one logging call per round
+    module.log_scalars = lambda metrics, **kw: (logged.append(dict(metrics)), original_log_scalars(metrics, **kw))
     init = {n: p.detach().clone() for n, p in module.net.named_parameters()}
     trainer = make_trainer(rounds, **trainer_kwargs)
     trainer.fit(module, datamodule=dm)

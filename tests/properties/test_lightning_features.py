@@ -361,7 +361,8 @@ def test_a_normal_run_is_quiet_and_prints_one_line_per_round_outside_a_terminal(
     allowed = ("GPU available:", "`Trainer.fit` stopped:", "executor: ")
     assert all(ln.startswith(allowed) for ln in stderr), stderr
     assert [ln for ln in stderr if ln.startswith("executor: ")] == [  # the engine's choice, said once
-        "executor: stacked (FedRep is vectorizable, 4 clients at a time on the cpu)"
+        "executor: stacked (sgd: fused relu mlp, heads on cached features; eval: shared body) because FedRep is "
+        "vectorizable, 4 clients at a time on the cpu"
     ], stderr
     progress = [ln for ln in out.stdout.splitlines() if ln.startswith("round ")]
     assert [ln.split()[1] for ln in progress] == ["1/3", "2/3", "3/3"], out.stdout
