@@ -18,7 +18,7 @@ def _model(**algorithm_args) -> dict:
 
 def test_learning_rates_must_be_positive_and_counts_at_least_one() -> None:
     check_ranges({"model": _model(head_epochs=1, body_epochs=1)}, [])  # in range: nothing raised
-    with pytest.raises(ConfigError, match=r"^model.lr must be positive \(> 0, a learning rate\), got 0"):
+    with pytest.raises(ConfigError, match=r"^model.lr must be positive and finite \(> 0, a learning rate\), got 0"):
         check_ranges({"model": {"lr": 0}}, [])
     with pytest.raises(ConfigError, match=r"^model.algorithm.head_epochs must be positive \(an integer ≥ 1\), got 0"):
         check_ranges({"model": _model(head_epochs=0)}, [])
