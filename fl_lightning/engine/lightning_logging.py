@@ -155,6 +155,7 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
         results.log(fx, name, value, prog_bar=prog_bar, logger=True, on_step=on_step, on_epoch=on_epoch,
                     reduce_fx="mean", enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False,
                     sync_dist_fn=reduce, sync_dist_group=None, metric_attribute=None, rank_zero_only=False)  # fmt: skip
+    if metrics:  # what each of Lightning's ``self.log`` calls ends with, once for the call
         trainer._logger_connector._current_fx = fx
 
 

@@ -71,7 +71,6 @@ from fl_lightning.engine.stacked_in_turn import ClientsInTurn
 from fl_lightning.engine.stacked_nets import (
     Layer,
     channels_last,
-    has_conv,
     own_stacked_forward,
     pad_rows,
     per_sample_cross_entropy,
@@ -81,7 +80,14 @@ from fl_lightning.engine.stacked_nets import (
     stacked_forward,
     unstack,
 )
-from fl_lightning.engine.stacked_paths import CONV_CLIENTS, SgdPath, StackedPaths, conv_clients, plan_stacked
+from fl_lightning.engine.stacked_paths import (
+    CONV_CLIENTS,
+    SgdPath,
+    StackedPaths,
+    conv_clients,
+    conv_in_turn,
+    plan_stacked,
+)
 from fl_lightning.engine.state import STEPS, state_name
 
 __all__ = ["CONV_CLIENTS", "FEATURE_CHUNK", "VectorizedContext", "conv_clients", "feature_chunk"]
@@ -123,9 +129,7 @@ class VectorizedContext(ClientsInTurn):
         self.augment, self.round, self.seed, self.step_budgets = augment, round_idx, seed, list(step_budgets)
         self.cache_features = cache_features
         self.device = xs[0].device if xs else torch.device("cpu")
-        if loop_over_clients is None:
-            loop_over_clients = has_conv(net) and conv_clients(self.device) == "loop"
-        self.loop_over_clients = loop_over_clients
+        self.loop_over_clients = conv_in_turn(net, self.device) if loop_over_clients is None else loop_over_clients
         self.paths = paths
         self.param_names = [n for n, p in net.named_parameters() if p.requires_grad]  # frozen ones never train
         self.buffer_names = frozenset(n for n, _ in net.named_buffers())

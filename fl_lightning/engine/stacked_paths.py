@@ -50,6 +50,11 @@ def conv_clients(device: torch.device) -> str:
     return CONV_CLIENTS.get(device.type, "vmap")
 
 
+def conv_in_turn(net: nn.Module, device: torch.device) -> bool:
+    """Whether ``net``'s convolutional phases run client by client on ``device`` (``CONV_CLIENTS``)."""
+    return has_conv(net) and conv_clients(device) == "loop"
+
+
 @dataclass(frozen=True)
 class StackedPaths:
     """How the stacked path trains a run's phases (see the module docstring); ``why``: the reason clients run
@@ -108,7 +113,7 @@ def plan_stacked(
     if has_rnn(net):
         return StackedPaths("in turn", head, why="recurrent layers (LSTM) have no batched form")
     if loop_over_clients is None:
-        loop_over_clients = has_conv(net) and conv_clients(device) == "loop"
+        loop_over_clients = conv_in_turn(net, device)
     if loop_over_clients:
         return StackedPaths("conv in turn", head)
     return StackedPaths(step_form(net, classification, sides), head)
