@@ -491,17 +491,21 @@ class ExperimentResult:
     plots: list[Path] = field(default_factory=list)
 
 
+def other_runs(runs: list[RunSpec], max_steps: dict[str, int | None], overwrite: bool) -> list[RunSpec]:
+    """The runs whose dirs hold a run of other training arguments (``run_state`` ``mismatch``: their
+    ``run.json``), none with ``overwrite`` (which reruns them)."""
+    return [] if overwrite else [r for r in runs if run_state(r, max_steps.get(str(r.run_dir))) == "mismatch"]
+
+
 def check_no_other_runs(
     experiment: Experiment, runs: list[RunSpec], max_steps: dict[str, int | None], overwrite: bool
 ) -> None:
-    """Without ``overwrite``, a grid whose run dirs hold runs of other training arguments (their ``run.json``;
-    e.g. the same file rerun with another ``--set``) is refused whole, in one line, before anything is written:
-    the runs that could go on would report beside runs the command never made."""
+    """Without ``overwrite``, a grid whose run dirs hold runs of other training arguments (``other_runs``; e.g.
+    the same file rerun with another ``--set``) is refused whole, in one line, before anything is written: the runs
+    that could go on would report beside runs the command never made."""
     from fl_lightning.experiment.spec import ExperimentError
 
-    if overwrite:
-        return
-    other = [r for r in runs if run_state(r, max_steps.get(str(r.run_dir))) == "mismatch"]
+    other = other_runs(runs, max_steps, overwrite)
     if other:
         more = f" (and {len(other) - 1} more run dirs)" if len(other) > 1 else ""
         raise ExperimentError(
@@ -640,8 +644,7 @@ def run_experiment(
     # a run refused because its dir holds another run's files (possible here only for a chosen setting after
     # tuning: check_no_other_runs refused the others up front) never runs: it is not listed in commands.sh, and
     # that other run is not reported as this grid's
-    others = set() if overwrite else {
-        str(r.run_dir) for r in tune_specs + runs if run_state(r, max_steps.get(str(r.run_dir))) == "mismatch"}
+    others = {str(r.run_dir) for r in other_runs(tune_specs + runs, max_steps, overwrite)}
     listed = [r for r in tune_specs + runs if str(r.run_dir) not in others]
     if listed:
         (experiment.out_dir / "commands.sh").write_text(
