@@ -281,15 +281,13 @@ def test_a_disk_too_full_for_the_next_checkpoint_stops_and_keeps_the_previous_on
     import fl_lightning.callbacks as callbacks
 
     real = shutil.disk_usage
-    calls = []
+    run_dir = tmp_path / "run"
 
-    def fake(path):
-        calls.append(path)
+    def fake(path):  # round 1 and last.ckpt fit; once they are written, the disk is full
         usage = real(path)
-        return usage._replace(free=10) if len(calls) > 2 else usage  # round 1 and last.ckpt fit, round 2 does not
+        return usage._replace(free=10) if (run_dir / "checkpoints" / "round00001.ckpt").exists() else usage
 
     monkeypatch.setattr(callbacks.shutil, "disk_usage", fake)
-    run_dir = tmp_path / "run"
     code = train(run_dir, "--checkpoint_every", "1")
     line = refused(capsys, code, "disk full", "round00002.ckpt", "bytes", "10 are free", "--ckpt_path last",
                    trained=True)
