@@ -9,14 +9,21 @@ from datamodules.base import FederatedDataModule
 from datamodules.partition import Partitioner, Shards
 from fl_lightning.engine.client_data import FederatedData
 
+#: the bundled digits as tensors, read once per process (scikit-learn parses its compressed CSV at every call)
+_DIGITS: tuple[torch.Tensor, torch.Tensor] | None = None
+
 
 def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as ``[1797, 1, 8, 8]`` floats in [0, 1] and labels as ``[1797]`` longs."""
-    from sklearn.datasets import load_digits
+    """Images as ``[1797, 1, 8, 8]`` floats in [0, 1] and labels as ``[1797]`` longs (the caller's own copies)."""
+    global _DIGITS
+    if _DIGITS is None:
+        from sklearn.datasets import load_digits
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    return x, torch.tensor(bunch.target, dtype=torch.long)
+        bunch = load_digits()
+        x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        _DIGITS = x, torch.tensor(bunch.target, dtype=torch.long)
+    x, y = _DIGITS
+    return x.clone(), y.clone()
 
 
 def stratified_split(y: np.ndarray, test_fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

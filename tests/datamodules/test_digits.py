@@ -62,3 +62,23 @@ def test_the_test_pool_is_drawn_per_class_from_the_seeds_stream_zero() -> None:
 def test_fedrep_default_local_epochs_are_ten_head_then_one_body() -> None:
     algorithm = FedRep()
     assert (algorithm.head_epochs, algorithm.body_epochs) == (10, 1)
+
+
+def test_digits_tensors_are_read_once_and_each_caller_gets_its_own_copy(monkeypatch) -> None:
+    """scikit-learn's file is parsed once per process; a caller that changes its tensors changes nobody else's."""
+    import sklearn.datasets
+
+    import datamodules.digits as digits_module
+
+    reads = []
+    monkeypatch.setattr(digits_module, "_DIGITS", None)
+    real = sklearn.datasets.load_digits
+    monkeypatch.setattr(sklearn.datasets, "load_digits", lambda *a, **k: reads.append(1) or real(*a, **k))
+    x, y = load_digits_tensors()
+    x.zero_()
+    y.fill_(-1)
+    x2, y2 = load_digits_tensors()
+    assert len(reads) == 1
+    bunch = real()
+    np.testing.assert_array_equal(x2.numpy(), (bunch.images[:, None] / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(y2.numpy(), bunch.target)
