@@ -169,6 +169,73 @@ def wandb_problem(exc: BaseException) -> str:
     return f"{option}: W&B refuses it: {detail.removeprefix('Value error, ')}; fix: change --{option}"
 
 
+#: parsers built by ``FederatedCLI`` and not in use, per construction key (``parser_key``): a process that runs
+#: several runs (the experiment runner, a batched job's threads, the tests) builds train.py's parser once per kind
+_IDLE_PARSERS: dict[tuple[Any, ...], list[Any]] = {}
+
+#: the methods that build a LightningCLI's parser: a subclass that overrides one of them builds another parser
+_PARSER_BUILDERS = (
+    "init_parser",
+    "add_default_arguments_to_parser",
+    "add_core_arguments_to_parser",
+    "add_arguments_to_parser",
+    "link_optimizers_and_lr_schedulers",
+)
+
+
+def parser_key(cli: Any, main_kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What a LightningCLI's parser (``run=False``) is built from: the classes, the trainer defaults, the seed default,
+    the parser's arguments and the code of the methods that add arguments (with what their closures hold, by
+    identity). ``None`` (build afresh) where a part has no stable representation."""
+    builders = []
+    for name in _PARSER_BUILDERS:
+        fn = getattr(type(cli), name)
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return None
+        cells = tuple(id(c.cell_contents) for c in fn.__closure__ or ())
+        builders.append((code, cells))
+    return (
+        cli.parser_class, cli.trainer_class, cli._model_class, cli._datamodule_class, cli.model_class is None,
+        cli.datamodule_class is None, cli.subclass_mode_model, cli.subclass_mode_data, cli.auto_configure_optimizers,
+        repr(cli.trainer_defaults), repr(cli.seed_everything_default), repr(sorted(main_kwargs.items())),
+        tuple(builders),
+    )  # fmt: skip
+
+
+def take_parser(key: tuple[Any, ...] | None) -> Any:
+    """An idle parser built for ``key``, now in use by the caller alone, or None."""
+    idle = _IDLE_PARSERS.get(key) if key is not None else None
+    try:
+        return idle.pop() if idle else None
+    except IndexError:  # another thread took the last one meanwhile
+        return None
+
+
+def give_back_parser(key: tuple[Any, ...] | None, parser: Any) -> None:
+    """``parser`` is idle again: without the instantiators of the CLI that used it (they hold that run's objects)."""
+    if key is None or parser is None:
+        return
+    if getattr(parser, "_instantiators", None) is not None:
+        parser._instantiators = None
+    _IDLE_PARSERS.setdefault(key, []).append(parser)
+
+
+class DumpedConfig:
+    """Stands for the parser in Lightning's ``SaveConfigCallback``: it writes ``config.yaml`` from the text the run
+    dumped once when it was instantiated (``FederatedCLI._dump_config``), so the parser is no longer needed when
+    the run starts (it serves the next run) and the config is not dumped a second time."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def save(self, config: Any, path: str, skip_none: bool = False, overwrite: bool = False, **_: Any) -> None:
+        if not overwrite and os.path.isfile(path):
+            raise ValueError(f"Refusing to overwrite existing file: {path}")
+        with open(path, "w") as f:
+            f.write(self.text)
+
+
 def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
@@ -180,6 +247,39 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
     from fl_lightning.progress import round_progress
 
     class FederatedCLI(LightningCLI):
+        def __init__(self, *cli_args: Any, **cli_kwargs: Any) -> None:
+            self._parser_key = None
+            try:
+                super().__init__(*cli_args, **cli_kwargs)
+            finally:  # the run no longer needs its parser (config.yaml's text is dumped): the next run takes it
+                give_back_parser(self._parser_key, getattr(self, "parser", None))
+
+        def setup_parser(
+            self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
+        ) -> None:
+            """Lightning's parser, built once per process and kind (``parser_key``) and reused by later runs."""
+            key = None if add_subcommands else parser_key(self, main_kwargs)
+            parser = take_parser(key)
+            if parser is None:
+                super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+            else:
+                self.parser = parser
+            self._parser_key = key
+
+        def _dump_config(self) -> None:
+            """The resolved config dumped once per run (Lightning dumps it for the checkpoints' hyper-parameters,
+            this CLI for the run's full config, ``SaveConfigCallback`` for ``config.yaml``: three validated dumps):
+            ``config_text`` is ``config.yaml``, ``config_dump`` Lightning's hyper-parameters (that YAML read back,
+            as Lightning does; the parser has no link targets to keep) and ``full_config`` the JSON-typed copy that
+            W&B and the resume check read."""
+            if hasattr(self, "config_dump"):
+                return
+            import yaml
+
+            self.config_text = self.parser.dump(self.config, skip_none=False)
+            self.config_dump = yaml.safe_load(self.config_text)
+            self.full_config = json.loads(json.dumps(self.config_dump))
+
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_argument(
                 "--run_dir", type=str | None, default=None, help="Output folder (default runs/<config>)."
@@ -228,7 +328,8 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             problem = run_dir_problem(run_dir)
             if problem:
                 raise ConfigError(f"{problem}; fix: pick another --run_dir")
-            full_config = json.loads(self.parser.dump(cfg, skip_none=False, format="json"))
+            self._dump_config()
+            full_config = self.full_config
             self.ckpt_path, self.clear_first = cfg.ckpt_path, None
             if stage == "fit" and not trial and is_launching_process():  # DDP workers start after this check
                 self.ckpt_path, self.clear_first = plan_run_dir(
@@ -239,6 +340,9 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
                     self.ckpt_path = None  # resume in a dir left before its first checkpoint and started afresh
             if stage == "fit" and self.ckpt_path:
                 self.save_config_callback = None  # config.yaml records what trained the first rounds: kept
+            elif self.save_config_callback is not None:
+                save_config, text = self.save_config_callback, self.config_text
+                self.save_config_callback = lambda parser, config, **kw: save_config(DumpedConfig(text), config, **kw)
             self.run_dir = run_dir
             if not trial and trainer_cfg.get("logger") in (None, True):
                 check_wandb(cfg.wandb.mode)
@@ -442,6 +546,25 @@ def check_checkpoint_fits(module: Any, datamodule: Any, path: str) -> None:
         raise ConfigError(f"--ckpt_path {path}: {problem}")
 
 
+def make_cli(stage: str, args: list[str]) -> Any:
+    """train.py's LightningCLI of ``stage`` (``fit``, ``validate``, ``test``) for ``args``: parsed, checked and
+    instantiated (model, data, trainer); nothing is run or written yet (``run`` does that)."""
+    from datamodules.base import FederatedDataModule
+    from fl_lightning.engine.module import FederatedModule
+
+    return _make_cli_class(stage, args)(
+        FederatedModule,
+        FederatedDataModule,
+        subclass_mode_data=True,
+        run=False,
+        args=args,
+        trainer_defaults=TRAINER_DEFAULTS,
+        auto_configure_optimizers=False,
+        parser_kwargs={"exit_on_error": False},
+        save_config_kwargs={"overwrite": True},
+    )
+
+
 def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]:
     """Parse; fit (print the result table, return the run summary) or validate/test a checkpoint (print and
     return its metrics). ``before_fit(cli)`` is called right before training (``fl_lightning.experiment.run_axis``)."""
@@ -450,24 +573,10 @@ def run(args: list[str] | None = None, before_fit: Any = None) -> dict[str, Any]
     from jsonargparse import ArgumentError
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    from datamodules.base import FederatedDataModule
-    from fl_lightning.engine.module import FederatedModule
-
     quiet_console()
     quiet_third_party()
-    cli_class = _make_cli_class(stage, args)
     try:
-        cli = cli_class(
-            FederatedModule,
-            FederatedDataModule,
-            subclass_mode_data=True,
-            run=False,
-            args=args,
-            trainer_defaults=TRAINER_DEFAULTS,
-            auto_configure_optimizers=False,
-            parser_kwargs={"exit_on_error": False},
-            save_config_kwargs={"overwrite": True},
-        )
+        cli = make_cli(stage, args)
     except ConfigError:
         raise
     except ArgumentError as exc:
