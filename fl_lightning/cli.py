@@ -271,13 +271,14 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             this CLI for the run's full config, ``SaveConfigCallback`` for ``config.yaml``: three validated dumps):
             ``config_text`` is ``config.yaml``, ``config_dump`` Lightning's hyper-parameters (that YAML read back,
             as Lightning does; the parser has no link targets to keep) and ``full_config`` the JSON-typed copy that
-            W&B and the resume check read."""
+            W&B and the resume check read. The dump does not validate the config again: parsing just did, and what
+            changed since is this CLI's own (the seed drawn, the sizes taken from the data)."""
             if hasattr(self, "config_dump"):
                 return
             import yaml
 
-            self.config_text = self.parser.dump(self.config, skip_none=False)
-            self.config_dump = yaml.safe_load(self.config_text)
+            self.config_text = self.parser.dump(self.config, skip_none=False, skip_validation=True)
+            self.config_dump = yaml.load(self.config_text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
             self.full_config = json.loads(json.dumps(self.config_dump))
 
         def add_arguments_to_parser(self, parser) -> None:
