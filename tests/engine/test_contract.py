@@ -160,3 +160,27 @@ def test_the_error_is_one_line_before_round_one() -> None:
     assert "reads ctx.x, which only the sequential loop offers" in message
     assert message.endswith("write it against fl_lightning.client.Client only, or declare vectorizable = False")
     FederatedModule(FedAvg(1), LinearRepresentation(6, 2), aggregation="uniform").attach_data(dm.federated)
+
+
+def test_a_class_is_read_once_per_process_and_its_problems_are_the_callers_own(monkeypatch) -> None:
+    """A run checks its algorithm at its pre-flight and again at setup: the second check reads no source; the list
+    returned is a fresh copy each time."""
+    import inspect as inspect_module
+
+    import fl_lightning.engine.contract as contract
+
+    class ReadsGenerator(FedAvg):
+        vectorizable = True
+
+        def local_update(self, ctx: Client, global_params: Params) -> ClientUpdate:
+            ctx.generator.manual_seed(0)
+            return super().local_update(ctx, global_params)
+
+    reads = []
+    real = inspect_module.getsourcelines
+    monkeypatch.setattr(contract.inspect, "getsourcelines", lambda obj: reads.append(obj) or real(obj))
+    first = contract_problems(ReadsGenerator)
+    first.append("changed by the caller")
+    second = contract_problems(ReadsGenerator)
+    assert len(second) == 1 and "reads ctx.generator, which only the sequential loop offers" in second[0]
+    assert reads.count(ReadsGenerator) == 1
