@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_lightning.errors import ConfigError, check_config_files, one_line
+from fl_lightning.parsers import DumpedConfig, give_back_parser, parser_key, take_parser
 from fl_lightning.run_dir import RunFinished, before_the_end, clear_planned, default_run_dir, plan_run_dir, resolve_ckpt
 
 SUBCOMMANDS = ("fit", "validate", "test")
@@ -169,73 +170,6 @@ def wandb_problem(exc: BaseException) -> str:
     return f"{option}: W&B refuses it: {detail.removeprefix('Value error, ')}; fix: change --{option}"
 
 
-#: parsers built by ``FederatedCLI`` and not in use, per construction key (``parser_key``): a process that runs
-#: several runs (the experiment runner, a batched job's threads, the tests) builds train.py's parser once per kind
-_IDLE_PARSERS: dict[tuple[Any, ...], list[Any]] = {}
-
-#: the methods that build a LightningCLI's parser: a subclass that overrides one of them builds another parser
-_PARSER_BUILDERS = (
-    "init_parser",
-    "add_default_arguments_to_parser",
-    "add_core_arguments_to_parser",
-    "add_arguments_to_parser",
-    "link_optimizers_and_lr_schedulers",
-)
-
-
-def parser_key(cli: Any, main_kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What a LightningCLI's parser (``run=False``) is built from: the classes, the trainer defaults, the seed default,
-    the parser's arguments and the code of the methods that add arguments (with what their closures hold, by
-    identity). ``None`` (build afresh) where a part has no stable representation."""
-    builders = []
-    for name in _PARSER_BUILDERS:
-        fn = getattr(type(cli), name)
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return None
-        cells = tuple(id(c.cell_contents) for c in fn.__closure__ or ())
-        builders.append((code, cells))
-    return (
-        cli.parser_class, cli.trainer_class, cli._model_class, cli._datamodule_class, cli.model_class is None,
-        cli.datamodule_class is None, cli.subclass_mode_model, cli.subclass_mode_data, cli.auto_configure_optimizers,
-        repr(cli.trainer_defaults), repr(cli.seed_everything_default), repr(sorted(main_kwargs.items())),
-        tuple(builders),
-    )  # fmt: skip
-
-
-def take_parser(key: tuple[Any, ...] | None) -> Any:
-    """An idle parser built for ``key``, now in use by the caller alone, or None."""
-    idle = _IDLE_PARSERS.get(key) if key is not None else None
-    try:
-        return idle.pop() if idle else None
-    except IndexError:  # another thread took the last one meanwhile
-        return None
-
-
-def give_back_parser(key: tuple[Any, ...] | None, parser: Any) -> None:
-    """``parser`` is idle again: without the instantiators of the CLI that used it (they hold that run's objects)."""
-    if key is None or parser is None:
-        return
-    if getattr(parser, "_instantiators", None) is not None:
-        parser._instantiators = None
-    _IDLE_PARSERS.setdefault(key, []).append(parser)
-
-
-class DumpedConfig:
-    """Stands for the parser in Lightning's ``SaveConfigCallback``: it writes ``config.yaml`` from the text the run
-    dumped once when it was instantiated (``FederatedCLI._dump_config``), so the parser is no longer needed when
-    the run starts (it serves the next run) and the config is not dumped a second time."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def save(self, config: Any, path: str, skip_none: bool = False, overwrite: bool = False, **_: Any) -> None:
-        if not overwrite and os.path.isfile(path):
-            raise ValueError(f"Refusing to overwrite existing file: {path}")
-        with open(path, "w") as f:
-            f.write(self.text)
-
-
 def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
     from lightning.pytorch.cli import LightningCLI
@@ -252,7 +186,9 @@ def _make_cli_class(stage: str = "fit", args: Sequence[str] = ()):
             try:
                 super().__init__(*cli_args, **cli_kwargs)
             finally:  # the run no longer needs its parser (config.yaml's text is dumped): the next run takes it
-                give_back_parser(self._parser_key, getattr(self, "parser", None))
+                built = [(self._model_class, self.subclass_mode_model)]
+                built.append((self._datamodule_class, self.subclass_mode_data))
+                give_back_parser(self._parser_key, getattr(self, "parser", None), built)
 
         def setup_parser(
             self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
