@@ -117,26 +117,3 @@ def test_the_cpu_clock_does_not_count_time_the_thread_waits():
     start = cpu.clock()
     time.sleep(0.3)
     assert cpu.clock() - start < 0.1
-
-
-def test_the_method_table_gives_each_method_a_band_and_a_verdict(tmp_path, capsys):
-    """FedALA is not vectorizable, so ``auto`` runs its loop: its verdict is ``same path`` whatever its ratio reads;
-    FedRep stacks, and its band holds its median; both are recorded with the path and verdict in the setting."""
-    argv = [*TINY, "--rounds", "2", "--out", str(tmp_path), "--workloads", "methods_cnn"]
-    argv += ["--methods", "FedALA", "FedRep"]
-    assert bench.main(argv) == 0
-    out = capsys.readouterr().out
-    table = out[out.index("method ") :].splitlines()
-    assert table[0].split() == ["method", "auto", "path", "sequential", "s/round", "auto", "s/round", "seq/auto",
-                                "band", "verdict", "seq", "/", "FedAvg", "seq"]  # fmt: skip
-    rows = {line.split()[0]: line.split() for line in table[2:5]}
-    assert rows["FedALA"][1] == "sequential" and " ".join(rows["FedALA"][6:8]) == "same path"
-    assert rows["FedRep"][1] == "stacked" and rows["FedRep"][6] in {"faster", "tie", "slower"}
-    records = json.loads((tmp_path / "results.json").read_text())
-    auto = {r["method"]: r for r in records if r["metric"] == "seq_over_auto"}
-    assert set(auto) == {"FedAvg auto", "FedALA auto", "FedRep auto"}
-    for name, row in auto.items():
-        bounds = {r["metric"]: r["value"] for r in records if r["method"] == name}
-        assert bounds["seq_over_auto_low"] <= row["value"] <= bounds["seq_over_auto_high"]
-    assert "path=sequential" in auto["FedALA auto"]["setting"] and "verdict=same_path" in auto["FedALA auto"]["setting"]
-    assert "path=stacked" in auto["FedRep auto"]["setting"]
