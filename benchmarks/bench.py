@@ -1,8 +1,10 @@
 """``make bench``: seconds per round of client work for the sequential reference and the vectorized executor.
 
 Everything is measured in the same run on the device asked for (``--device cpu|cuda|auto``; on the CPU with one
-thread unless ``--threads``), and reported as the median over ``--rounds`` rounds, with the ratio to the sequential
-fp32 reference of the same workload. Autocast follows the device: bf16 on CUDA (fp32 too), none on the CPU unless
+thread unless ``--threads``), and reported as the median over ``--rounds`` rounds after one warm-up round, with the
+ratio to the sequential fp32 reference of the same workload. The clock (``Bench.clock``) is CPU time on the CPU
+(``time.thread_time`` on one thread, ``time.process_time`` on more), so that other processes on a shared machine
+do not count, and wall time on CUDA. Autocast follows the device: bf16 on CUDA (fp32 too), none on the CPU unless
 ``--autocast`` asks for bf16. The device is synchronised before each clock read. Per variant: s/round, training
 samples per second (samples visited by local SGD, all epochs), peak memory (CUDA: the allocator's peak for that
 variant; CPU: the process's peak RSS so far), host reads per round (``fl_lightning.engine.host_syncs``: each one would
@@ -15,8 +17,9 @@ Workloads (``--workloads``; any module in ``EXTRA_MODULES`` may register more wi
   10 clients per round, FedRep with 10 head epochs + 1 body epoch, batch 10, SGD lr 0.01, momentum 0.5;
 * ``fedrep_cnn_aug``: the FedRep authors' CNNCifar on the same data with batched crop+flip augmentation;
 * ``methods_cnn``: every exported gradient algorithm (``gradient_algorithms``) on ``pfllib_cnn``'s data and network
-  with its constructor's defaults, the sequential reference against ``model.executor: auto``, and each method's
-  sequential s/round over FedAvg's (``--methods`` picks some, ``--clients`` / ``--samples`` shrink it);
+  with its constructor's defaults, the sequential reference against ``model.executor: auto``, each method's
+  seq/auto with its band and verdict (``ratio_band``, ``verdict``), and its sequential s/round over FedAvg's
+  (``--methods`` picks some, ``--clients`` / ``--samples`` shrink it);
 * ``fedrep_phases``: ``pfllib_cnn``'s round split into FedRep's head and body phases, per executor, and the
   speedup ceiling the body phase sets;
 * ``conv_clients``: a body epoch of 10 clients' per-client conv weights, client by client vs ``vmap`` (one grouped
@@ -27,7 +30,9 @@ Workloads (``--workloads``; any module in ``EXTRA_MODULES`` may register more wi
   its own table and ``results.json`` under ``results/bench/run_axis/``.
 
 It prints a table and writes ``results.json`` (metrics ``train_s_per_round``, ``samples_per_s``, ``speedup``,
-``peak_mem_mb``, ``host_reads_per_round``, ``gpu_util_pct``, ``eval_s``; the device name in every ``setting``) and
+``peak_mem_mb``, ``host_reads_per_round``, ``gpu_util_pct``, ``eval_s``; ``methods_cnn`` adds ``seq_over_auto``,
+``seq_over_auto_low`` and ``seq_over_auto_high``, with the path and verdict in the ``setting``; the device name in
+every ``setting``) and
 ``round_times.png`` under ``results/bench/``.
 """
 
@@ -39,6 +44,7 @@ import importlib
 import importlib.util
 import inspect
 import platform
+import random
 import resource
 import statistics
 import subprocess
@@ -193,57 +199,62 @@ class Bench:
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         print(f"  {workload:16s} {variant:22s} {shown}", flush=True)
 
+    def clock(self) -> float:
+        """Seconds for timing a block: CPU time on the CPU (this thread's on one thread, where torch computes in the
+        calling thread; the process's on more), so that other processes on a shared machine do not count; wall
+        time on CUDA (whose work the host's CPU time does not see)."""
+        if self.device.type == "cuda":
+            return time.perf_counter()
+        return time.thread_time() if self.args.threads == 1 else time.process_time()
+
     def time_rounds(self, module: FederatedModule, per_round: int, precision: str) -> dict[str, float]:
         """Client work of ``--rounds`` rounds of one module (see ``time_interleaved``)."""
         return self.time_interleaved([module], per_round, precision)[0]
 
-    def time_interleaved(
+    def interleave(
         self, modules: list[FederatedModule], per_round: int, precision: str
-    ) -> list[dict[str, float]]:
-        """Client work (``run_clients``) of ``--rounds`` rounds for each module, the modules taking turns round by
-        round so that a machine whose load drifts slows them alike (the first round is a warm-up on CUDA): the
-        median s/round, host reads per round, GPU utilisation and the peak memory, per module."""
+    ) -> list[dict[str, list[float]]]:
+        """Client work (``run_clients``) of one warm-up round and ``--rounds`` rounds for each module, the modules
+        taking turns round by round on the same cohorts so that a machine whose load drifts slows them alike: per
+        module, the seconds (``clock``) and host reads of each round after the warm-up, the GPU utilisation
+        samples and the peak memory (``[peak]``)."""
         sampler = ClientSampler(modules[0].fed.num_clients, per_round, seed=0)
-        rounds = self.args.rounds + (1 if self.device.type == "cuda" else 0)
-        times = [[] for _ in modules]
-        reads = [[] for _ in modules]
-        utils = [[] for _ in modules]
-        peaks = [0.0 for _ in modules]
-        for r in range(rounds):
+        out = [{"times": [], "reads": [], "utils": [], "peak": [0.0]} for _ in modules]
+        for r in range(self.args.rounds + 1):
             cohort = sampler.sample(r).tolist()
-            for i, module in enumerate(modules):
+            for module, seen in zip(modules, out):
                 glob = module.global_params()
                 states = [module.bank.get(c) for c in cohort]
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
                 synchronize(self.device)
                 with UtilisationSampler(self.device) as util:
-                    start = time.perf_counter()
+                    start = self.clock()
                     with self.autocast(precision), count_host_reads() as counted:
                         module.run_clients(cohort, r, glob, states, [1.0] * len(cohort))
                     synchronize(self.device)
-                    times[i].append(time.perf_counter() - start)
-                reads[i].append(counted.count)
-                utils[i] += util.samples
-                peaks[i] = max(peaks[i], peak_memory_mb(self.device))
-        skip = 1 if self.device.type == "cuda" else 0
-        return [
-            {
-                "train_s_per_round": statistics.median(times[i][skip:]),
-                "host_reads_per_round": statistics.median(reads[i][skip:]),
-                "gpu_util_pct": statistics.mean(utils[i]) if utils[i] else float("nan"),
-                "peak_mem_mb": peaks[i],
-            }
-            for i in range(len(modules))
-        ]
+                    spent = self.clock() - start
+                if r > 0:  # round 0 warms up (first-call costs, caches)
+                    seen["times"].append(spent)
+                    seen["reads"].append(float(counted.count))
+                    seen["utils"] += util.samples
+                seen["peak"][0] = max(seen["peak"][0], peak_memory_mb(self.device))
+        return out
+
+    def time_interleaved(
+        self, modules: list[FederatedModule], per_round: int, precision: str
+    ) -> list[dict[str, float]]:
+        """``interleave``'s rounds summarised per module: the median s/round, host reads per round, the mean GPU
+        utilisation and the peak memory."""
+        return [summarise(seen) for seen in self.interleave(modules, per_round, precision)]
 
     def time_eval(self, module: FederatedModule, precision: str) -> float:
         synchronize(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         with self.autocast(precision):
             module.evaluate_clients(0)
         synchronize(self.device)
-        return time.perf_counter() - start
+        return self.clock() - start
 
     def compare(
         self,
@@ -275,6 +286,60 @@ class Bench:
                 metrics["speedup"] = reference / metrics["train_s_per_round"]
                 suffix = "" if precision == "fp32" else f"-{precision}"
                 self.add(name, executor + suffix, metrics, clients=fed.num_clients, per_round=per_round)
+
+
+def summarise(seen: dict[str, list[float]]) -> dict[str, float]:
+    """One module's rounds of ``Bench.interleave`` as the table's metrics."""
+    return {
+        "train_s_per_round": statistics.median(seen["times"]),
+        "host_reads_per_round": statistics.median(seen["reads"]),
+        "gpu_util_pct": statistics.mean(seen["utils"]) if seen["utils"] else float("nan"),
+        "peak_mem_mb": seen["peak"][0],
+    }
+
+
+@dataclass(frozen=True)
+class RatioBand:
+    """A speed ratio ``reference / candidate`` (above 1: the candidate is faster) from paired rounds: the median of
+    the per-round ratios and a band around it (``ratio_band``)."""
+
+    median: float
+    low: float
+    high: float
+
+
+def ratio_band(
+    reference: list[float], candidate: list[float], level: float = 0.9, resamples: int = 2000, seed: int = 0
+) -> RatioBand:
+    """The per-round ratios ``reference[r] / candidate[r]`` (the two timed in the same round, on the same cohort):
+    their median, and the percentile bootstrap band of that median at ``level`` (the rounds resampled with
+    replacement ``resamples`` times, a seeded generator: the same samples give the same band). With one round the
+    band is that round's ratio."""
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("ratio_band needs the same positive number of reference and candidate rounds")
+    ratios = [a / b for a, b in zip(reference, candidate)]
+    draw = random.Random(seed)
+    medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    low = medians[int(tail * (resamples - 1))]
+    high = medians[int(round((1.0 - tail) * (resamples - 1)))]
+    return RatioBand(statistics.median(ratios), low, high)
+
+
+Verdict = str  #: ``same path``, ``faster``, ``tie`` or ``slower``
+
+
+def verdict(band: RatioBand, same_path: bool) -> Verdict:
+    """How ``auto`` compares with the loop: ``same path`` where ``auto`` decided the loop (the ratio then times the
+    loop against itself, noise only), else by the band of seq/auto: ``faster`` (entirely above 1), ``slower``
+    (entirely below 1), ``tie`` (it contains 1)."""
+    if same_path:
+        return "same path"
+    if band.low > 1.0:
+        return "faster"
+    if band.high < 1.0:
+        return "slower"
+    return "tie"
 
 
 TABLE_METRICS = (
@@ -349,7 +414,11 @@ def pfllib_cnn(bench: Bench) -> None:
     bench.compare("pfllib_cnn", FedAvgCNN, data, lambda: FedRep(head, 1), cohort, cohort * n_train * (head + 1))
 
 
-METHOD_HEADERS = ["method", "auto path", "sequential s/round", "auto s/round", "seq/auto", "seq / FedAvg seq"]
+METHOD_HEADERS = [
+    "method", "auto path", "sequential s/round", "auto s/round", "seq/auto", "band", "verdict", "seq / FedAvg seq",
+]  # fmt: skip
+#: the level of ``methods_cnn``'s seq/auto band (``ratio_band``)
+BAND_LEVEL = 0.9
 
 #: why a whole-model epoch bounds the stacked path on the CPU (``fedrep_phases``' reasoning, printed with the table)
 ARITHMETIC_BOUND = (
@@ -391,17 +460,23 @@ def methods_cnn(bench: Bench) -> None:
         path = decide(modules[1], per_round)
         if name == "FedAvg":
             modules.pop()  # its own loop is the reference
-        seq, auto, *ref = bench.time_interleaved(modules, per_round, "fp32")
+        seen = bench.interleave(modules, per_round, "fp32")
+        seq, auto, *ref = (summarise(s) for s in seen)
         fedavg = (ref[0] if ref else seq)["train_s_per_round"]
+        band = ratio_band(seen[0]["times"], seen[1]["times"], BAND_LEVEL)
+        said = verdict(band, path.path == "sequential")
         seq["speedup"] = 1.0
         auto["speedup"] = seq["train_s_per_round"] / auto["train_s_per_round"]
+        auto |= {"seq_over_auto": band.median, "seq_over_auto_low": band.low, "seq_over_auto_high": band.high}
         bench.add("methods_cnn", f"{name} sequential", seq, clients=n_clients, per_round=per_round, method=name)
         bench.add("methods_cnn", f"{name} auto", auto, clients=n_clients, per_round=per_round, method=name,
-                  path=path.path)  # fmt: skip
+                  path=path.path, verdict=said.replace(" ", "_"))  # fmt: skip
         over = seq["train_s_per_round"] / fedavg
         bench.records.append(record("bench", f"{name} sequential", "fedavg_seq_s_per_round", fedavg, setting=where))
         bench.records.append(record("bench", f"{name} sequential", "seq_over_fedavg_seq", over, setting=where))
-        table.append([name, path.path, seq["train_s_per_round"], auto["train_s_per_round"], auto["speedup"], over])
+        shown = f"{band.low:.3f}-{band.high:.3f}"
+        table.append([name, path.path, seq["train_s_per_round"], auto["train_s_per_round"], band.median, shown, said,
+                      over])  # fmt: skip
     bench.method_rows = table
     print_methods_table(bench)
 
@@ -409,7 +484,11 @@ def methods_cnn(bench: Bench) -> None:
 def print_methods_table(bench: Bench) -> None:
     """The per-method table of ``methods_cnn`` and the line on where a whole-model epoch is arithmetic-bound."""
     print()
-    print(f"methods_cnn on {bench.name}: median of {bench.args.rounds} rounds; seq/auto = sequential / auto")
+    clock = "CPU" if bench.device.type == "cpu" else "wall"
+    print(f"methods_cnn on {bench.name}: {clock} s/round, median of {bench.args.rounds} rounds after a warm-up; "
+          f"seq/auto = the median of the rounds' sequential / auto, band = its {BAND_LEVEL:.0%} bootstrap band; "
+          "verdict: faster or slower where the band is entirely above or below 1, tie where it holds 1, same path "
+          "where auto runs the loop")  # fmt: skip
     print(format_table(METHOD_HEADERS, bench.method_rows))
     for name, why in bench.method_skipped.items():
         print(f"  {name} skipped: {why}")
@@ -453,12 +532,12 @@ def fedrep_phases(bench: Bench) -> None:
                            **module.bank.gather(torch.tensor(cohort, device=bench.device))}]  # fmt: skip
             for phase, names, epochs in (("head phase", ("head.",), head), ("body phase", (), 1)):
                 synchronize(bench.device)
-                start = time.perf_counter()
+                start = bench.clock()
                 for k, ctx in enumerate(contexts):
                     trained = ctx.params_with(names) if names else ctx.params_without(("head.",))
                     params[k] = ctx.sgd(params[k], trained, epochs)
                 synchronize(bench.device)
-                spent[executor][phase].append(time.perf_counter() - start)
+                spent[executor][phase].append(bench.clock() - start)
     for executor, phases in spent.items():
         for phase, times in phases.items():
             bench.add("fedrep_phases", f"{executor} {phase}", {"train_s_per_round": statistics.median(times)})
@@ -498,10 +577,10 @@ def conv_clients(bench: Bench) -> None:
             ctx.loop_over_clients = strategy == "loop"
             params = {**{n: v.expand(10, *v.shape) for n, v in glob.items()}, **heads}
             synchronize(bench.device)
-            start = time.perf_counter()
+            start = bench.clock()
             ctx.sgd(params, ctx.params_without(("head.",)), 1)
             synchronize(bench.device)
-            spent.append(time.perf_counter() - start)
+            spent.append(bench.clock() - start)
         times[strategy] = statistics.median(spent[1:])
         metrics = {"train_s_per_round": times[strategy], "samples_per_s": 10 * n_train / times[strategy]}
         bench.add("conv_clients", strategy, metrics)
@@ -583,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     load_extra_workloads()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if available)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per measurement (median; after a warm-up)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--clients", type=int, help="clients in the image workloads (default 100, --quick 20)")
     parser.add_argument("--samples", type=int, help="training images per client (default 500, --quick 40)")
@@ -592,8 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", action="store_true", help="also bf16 autocast on the CPU")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 on CUDA (train.py's)")
     parser.add_argument("--out", type=Path, default=Path("results/bench"))
-    parser.add_argument("--run_axis_args", default="", metavar="ARGS",
-                        help="run_axis: more options of python -m benchmarks.batched_runs, e.g. '--seeds 2'")
+    parser.add_argument(
+        "--run_axis_args", default="", metavar="ARGS",
+        help="run_axis: more options of python -m benchmarks.batched_runs, e.g. '--seeds 2'",
+    )  # fmt: skip
     parser.add_argument(
         "--workloads", nargs="+", default=DEFAULT_WORKLOADS, choices=sorted(WORKLOADS), metavar="NAME",
         help=f"which workloads (default: {' '.join(DEFAULT_WORKLOADS)}; all: {' '.join(sorted(WORKLOADS))})",
@@ -618,7 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         write_results(bench.records, args.out)  # as it goes: a failure later keeps this workload's records
 
     print()
-    print(f"client work per round on {bench.name}, median of {args.rounds} rounds; speedup vs sequential fp32")
+    clock = "CPU" if bench.device.type == "cpu" else "wall"
+    print(f"client work per round on {bench.name} ({clock} time), median of {args.rounds} rounds after a warm-up; "
+          "speedup vs sequential fp32")  # fmt: skip
     print(format_table(TABLE_HEADERS, bench.rows))
     if bench.method_rows:
         print_methods_table(bench)

@@ -13,7 +13,12 @@ data (10 clients × 40 images, all 10 per round, uniform aggregation), FedAvg an
 (clients train in a round with probability 1 − p; α scaled so that the mixing ηλ stays 0.25), the mean over
 ``--rounds`` rounds (a round trains or only mixes, by the method's coin).
 
-    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto [--l2gd]
+``--temporaries``: what a cohort-size temporary costs the stacked path (the cause of FedDyn's slower stacked round
+in ``make bench``'s quick ``methods_cnn`` table before its state update reused Δθ_i): CPU ms of ``a − b`` for
+FedAvgCNN's fc weight stacked over 10 clients ([10, 512, 1600], 33 MB) into a fresh tensor and into a preallocated
+one, and the same arithmetic as 10 client-size subtractions (the loop's).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto [--l2gd | --temporaries]
 """
 
 from __future__ import annotations
@@ -86,8 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--l2gd", action="store_true", help="the training-rate rows (MIN_TRAINING_RATE)")
+    parser.add_argument("--temporaries", action="store_true", help="a cohort-size temporary, fresh vs preallocated")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.temporaries:
+        spent = temporaries(repeats=20)
+        print("  ".join(f"{name} {1e3 * t:.2f} ms" for name, t in spent.items()))
+        return
     if args.l2gd:
         training_rate(args.rounds)
         return
@@ -108,6 +118,28 @@ def main() -> None:
             f"{eval_ratio:10.2f}",
             flush=True,
         )
+
+
+def temporaries(shape: tuple[int, ...] = (10, 512, 1600), repeats: int = 20) -> dict[str, float]:
+    """CPU seconds (``time.thread_time``, mean over ``repeats``) of ``a − b`` for a stacked ``shape`` (clients first)
+    into a fresh tensor (``fresh``) and into a preallocated one (``preallocated``), and as one subtraction per client
+    row (``per client``)."""
+    a = torch.randn(shape)
+    b = torch.randn(shape[1:]).expand(shape)
+    out = torch.empty(shape)
+    rows = [a[k] for k in range(shape[0])]
+
+    def mean_time(fn: Callable[[], object]) -> float:
+        start = time.thread_time()
+        for _ in range(repeats):
+            fn()
+        return (time.thread_time() - start) / repeats
+
+    return {
+        "fresh": mean_time(lambda: a - b),
+        "preallocated": mean_time(lambda: torch.sub(a, b, out=out)),
+        "per client": mean_time(lambda: [r - b[0] for r in rows]),
+    }
 
 
 def training_rate(rounds: int) -> None:

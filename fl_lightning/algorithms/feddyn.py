@@ -102,8 +102,8 @@ class FedDyn(Algorithm):
         params = ctx.sgd(dict(global_params), ctx.param_names, self.local_epochs, penalty=penalty)
         upload = {DELTA + n: params[n] - global_params[n] for n in self.uploaded_names(params)}
         new_state = dict(state)
-        for n in names:  # g_i ← g_i − α(θ_i − θ^{t−1})
-            new_state[STATE + n] = state[STATE + n] - self.alpha * (params[n] - global_params[n])
+        for n in names:  # g_i ← g_i − α(θ_i − θ^{t−1}), with the uploaded θ_i − θ^{t−1}
+            new_state[STATE + n] = state[STATE + n] - self.alpha * upload[DELTA + n]
         return ClientUpdate(upload, new_state, ctx.num_samples, loss=ctx.train_loss)
 
     @torch.no_grad()

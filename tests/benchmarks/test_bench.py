@@ -64,3 +64,56 @@ def test_cuda_asked_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch) ->
         resolve_device("cuda")
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: --device cuda but torch sees no CUDA device"]
+
+
+def test_the_ratio_band_of_two_rounds_is_their_resampled_medians():
+    """Two rounds with ratios a < b: a resample's median is a, (a + b) / 2 or b with probabilities 1/4, 1/2, 1/4, so
+    the 90 % band runs from a to b and the 40 % band (30 % cut from each tail) is the midpoint alone."""
+    reference, candidate = [3.0, 4.0], [2.0, 2.0]  # ratios 1.5 and 2.0
+    wide = bench.ratio_band(reference, candidate, level=0.9)
+    assert (wide.median, wide.low, wide.high) == (1.75, 1.5, 2.0)
+    narrow = bench.ratio_band(reference, candidate, level=0.4)
+    assert (narrow.low, narrow.high) == (1.75, 1.75)
+
+
+def test_the_ratio_band_pairs_rounds_and_is_reproducible():
+    reference = [1.0, 1.1, 0.9, 1.2, 1.05, 0.95, 1.0]
+    candidate = [0.5, 0.55, 0.45, 0.6, 0.5, 0.5, 0.5]  # about half the time in every round: ratios near 2
+    band = bench.ratio_band(reference, candidate)
+    ratios = sorted(a / b for a, b in zip(reference, candidate))
+    assert band.median == ratios[3]
+    assert ratios[0] <= band.low <= band.median <= band.high <= ratios[-1]
+    assert bench.ratio_band(reference, candidate) == band  # seeded
+    assert bench.ratio_band([2.0], [4.0]) == bench.RatioBand(0.5, 0.5, 0.5)  # one round: its ratio
+    # the ratio is per round, not of the medians: a slow round of the reference paired with a slow candidate round
+    assert bench.ratio_band([1.0, 10.0, 1.0], [1.0, 10.0, 1.0]).median == 1.0
+    with pytest.raises(ValueError):
+        bench.ratio_band([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "same_path", "expected"),
+    [
+        (1.02, 1.3, False, "faster"),
+        (0.97, 1.1, False, "tie"),
+        (0.8, 0.99, False, "slower"),
+        (1.0, 1.0, False, "tie"),  # a band touching 1 is not entirely on one side
+        (0.8, 0.9, True, "same path"),  # the loop against itself: its ratio is noise, whatever it reads
+        (1.2, 1.3, True, "same path"),
+    ],
+)
+def test_the_verdict_reads_the_band(low, high, same_path, expected):
+    band = bench.RatioBand((low + high) / 2, low, high)
+    assert bench.verdict(band, same_path) == expected
+
+
+def test_the_cpu_clock_does_not_count_time_the_thread_waits():
+    import argparse
+    import time
+
+    import torch
+
+    cpu = bench.Bench(argparse.Namespace(threads=1), torch.device("cpu"))
+    start = cpu.clock()
+    time.sleep(0.3)
+    assert cpu.clock() - start < 0.1

@@ -20,31 +20,45 @@ def run_methods(tmp_path, capsys, *extra: str) -> tuple[list[list[str]], list[di
     out = capsys.readouterr().out
     lines = out.splitlines()
     head = max(i for i, line in enumerate(lines) if line.split()[:2] == ["method", "auto"])
-    assert lines[head].split() == "method auto path sequential s/round auto s/round seq/auto seq / FedAvg seq".split()
+    headers = "method auto path sequential s/round auto s/round seq/auto band verdict seq / FedAvg seq"
+    assert lines[head].split() == headers.split()
     rows = []
     for line in lines[head + 2 :]:
         if not line or line.startswith(" "):
             break
-        rows.append(line.split())
+        cells = line.split()  # the verdict "same path" is two words
+        rows.append([*cells[:6], " ".join(cells[6:-1]), cells[-1]])
     return rows, json.loads((tmp_path / "results.json").read_text()), out
 
 
 def check_rows(rows: list[list[str]], records: list[dict], methods: list[str]) -> None:
     assert [r[0] for r in rows] == methods
-    for name, path, seq, auto, ratio, over_fedavg in rows:
+    for name, path, seq, auto, ratio, band, said, over_fedavg in rows:
         assert path in ("stacked", "sequential")
         seq, auto, ratio, over_fedavg = map(float, (seq, auto, ratio, over_fedavg))
         assert all(math.isfinite(v) and v > 0 for v in (seq, auto, ratio, over_fedavg))
-        # the ratio columns are the printed seconds' ratios (4 significant digits in the table)
+        # one round: the median ratio is that round's, the printed seconds' ratio (4 significant digits), its band
+        # that ratio alone
         assert ratio == pytest.approx(seq / auto, rel=0.05, abs=1e-3)
+        low, high = map(float, band.split("-"))
+        assert low == pytest.approx(ratio, abs=2e-3) and high == pytest.approx(ratio, abs=2e-3)
+        mine = {r["metric"]: r for r in records if r["method"] == f"{name} auto"}
+        exact = [mine[m]["value"] for m in ("seq_over_auto_low", "seq_over_auto", "seq_over_auto_high")]
+        assert exact[0] <= exact[1] <= exact[2]
+        assert f"path={path}" in mine["seq_over_auto"]["setting"]
+        assert f"verdict={said.replace(' ', '_')}" in mine["seq_over_auto"]["setting"]
+        if path == "sequential":  # auto runs the loop: its ratio is the loop against itself
+            assert said == "same path"
+        else:
+            assert said == ("faster" if exact[0] > 1 else "slower" if exact[2] < 1 else "tie")
         times = {r["method"]: r["value"] for r in records if r["metric"] == "train_s_per_round"}
         assert times[f"{name} sequential"] > 0 and times[f"{name} auto"] > 0  # both paths ran
     fedavg = rows[0]
-    assert fedavg[0] == "FedAvg" and float(fedavg[5]) == pytest.approx(1.0)
+    assert fedavg[0] == "FedAvg" and float(fedavg[7]) == pytest.approx(1.0)
     reference = {r["method"]: r["value"] for r in records if r["metric"] == "fedavg_seq_s_per_round"}
     assert reference["FedAvg sequential"] == pytest.approx(float(fedavg[2]), rel=1e-3, abs=1e-4)  # its own loop
     for row in rows:  # the last column: this method's loop over FedAvg's loop timed in the same turns
-        assert float(row[5]) == pytest.approx(float(row[2]) / reference[f"{row[0]} sequential"], rel=0.05, abs=1e-3)
+        assert float(row[7]) == pytest.approx(float(row[2]) / reference[f"{row[0]} sequential"], rel=0.05, abs=1e-3)
     ratios = {r["method"]: r["value"] for r in records if r["metric"] == "seq_over_fedavg_seq"}
     assert set(ratios) == {f"{m} sequential" for m in methods}
 
@@ -54,6 +68,7 @@ def test_methods_cnn_quick_subset(tmp_path, capsys):
     check_rows(rows, records, ["FedAvg", "FedRep", "FedALA"])  # FedAvg first: the last column's reference
     paths = {r[0]: r[1] for r in rows}
     assert paths["FedRep"] == "stacked" and paths["FedALA"] == "sequential"  # not vectorizable: the loop
+    assert {r[0]: r[6] for r in rows}["FedALA"] == "same path"
     assert "arithmetic-bound" in out
 
 

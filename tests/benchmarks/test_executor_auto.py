@@ -25,3 +25,13 @@ def test_one_measurement_times_both_paths_and_both_evaluations():
     out = measure(synthetic(3, 10), lambda: FedAvg(1), per_round=2, rounds=2)
     assert set(out) == {"sequential", "vectorized", "eval sequential", "eval vectorized"}
     assert all(v > 0 for v in out.values()), out
+
+
+def test_temporaries_times_the_three_ways_of_one_subtraction():
+    import math
+
+    from benchmarks.executor_auto import temporaries
+
+    spent = temporaries(shape=(3, 8, 16), repeats=2)
+    assert set(spent) == {"fresh", "preallocated", "per client"}
+    assert all(math.isfinite(t) and t >= 0 for t in spent.values())
