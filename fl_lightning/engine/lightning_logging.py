@@ -150,13 +150,35 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
     if trainer._logger_connector.should_reset_tensors(fx):
         results.reset(metrics=False, fx=fx)
     reduce = trainer.strategy.reduce
+    signature = (prog_bar, on_step, on_epoch, reduce)
+    suffix = "" if results.dataloader_idx is None else f".{results.dataloader_idx}"
     for name, value in metrics.items():
         value = converted[name] if name in converted else value.clone().detach().squeeze()
+        metric = results.get(f"{fx}.{name}{suffix}")
+        if metric is not None and metric.__dict__.get(LOGGED_AS) == signature:
+            update_logged(results, metric, value)
+            continue
         results.log(fx, name, value, prog_bar=prog_bar, logger=True, on_step=on_step, on_epoch=on_epoch,
                     reduce_fx="mean", enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False,
                     sync_dist_fn=reduce, sync_dist_group=None, metric_attribute=None, rank_zero_only=False)  # fmt: skip
+        results[f"{fx}.{name}{suffix}"].__dict__[LOGGED_AS] = signature
     if metrics:  # what each of Lightning's ``self.log`` calls ends with, once for the call
         trainer._logger_connector._current_fx = fx
+
+
+#: where ``log_scalars`` notes, on a logged metric, the arguments Lightning registered it with (its ``_Metadata``
+#: is then known to equal what the same call would build again)
+LOGGED_AS = "_fl_logged_as"
+
+
+def update_logged(results: Any, metric: Any, value: Tensor) -> None:
+    """What ``_ResultCollection.log`` does for a key it already holds with the same metadata: move the metric to the
+    value's device, take the batch size, update the metric (``update_metrics``), without building and comparing a
+    new ``_Metadata``."""
+    metric.to(value.device)
+    batch_size = results._extract_batch_size(metric, None, metric.meta)
+    metric.forward(value, batch_size)
+    metric.has_reset = False
 
 
 def module_reads_dataloader_iter(module: LightningModule) -> bool:

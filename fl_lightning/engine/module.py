@@ -311,7 +311,7 @@ class FederatedModule(L.LightningModule):
         if sums.stats.survivors == 0:
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
         keep = getattr(self.algorithm, "updates_frozen", False)  # FLoRA merges into the frozen base; else not copied
-        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep}
+        backup = aggregation.ParamBackup((n, p) for n, p in self.net.named_parameters() if p.requires_grad or keep)
         mean = self.aggregator.mean(sums, template)
         facts = RoundFacts(round_idx, num_aggregated=int(sums.stats.survivors))
         aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, facts)
