@@ -47,12 +47,13 @@ STATES = ("value", "cumulated_batch_size", "_forward_cache", "_computed")
 def metric_on(metric: Any, device: torch.device) -> bool:
     """Whether every tensor of a logged metric is on ``device`` (anything else where a tensor may be: no)."""
     held = metric.__dict__
-    for value in [*(held.get(name) for name in STATES), *held.get("_defaults", {}).values()]:
-        if isinstance(value, Tensor):
-            if value.device != device:
+    for values in ((held.get(name) for name in STATES), held.get("_defaults", {}).values()):
+        for value in values:
+            if isinstance(value, Tensor):
+                if value.device != device:
+                    return False
+            elif value is not None and not isinstance(value, (int, float)):
                 return False
-        elif value is not None and not isinstance(value, (int, float)):
-            return False
     return True
 
 
@@ -175,7 +176,8 @@ def update_logged(results: Any, metric: Any, value: Tensor) -> None:
     """What ``_ResultCollection.log`` does for a key it already holds with the same metadata: move the metric to the
     value's device, take the batch size, update the metric (``update_metrics``), without building and comparing a
     new ``_Metadata``."""
-    metric.to(value.device)
+    if not metric_on(metric, value.device):  # else ``to`` would return the metric as it is (``skip_idle_moves``)
+        metric.to(value.device)
     batch_size = results._extract_batch_size(metric, None, metric.meta)
     metric.forward(value, batch_size)
     metric.has_reset = False

@@ -176,6 +176,15 @@ class FederatedModule(L.LightningModule):
         self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
         self._fit_start, self.resumed_wall_s = 0.0, 0.0  #: resumed: training seconds before the run's checkpoint
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
+        sets ``_current_fx_name`` twice per hook call): ``nn.Module.__setattr__`` would only find that it is no
+        parameter, buffer or submodule (a name in ``__dict__`` is none of them) and end the same way."""
+        if name in self.__dict__ and not isinstance(value, (Tensor, nn.Module)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
         """The global model as a detached ``name -> tensor`` dict (parameters and buffers)."""
@@ -351,6 +360,25 @@ class FederatedModule(L.LightningModule):
         if evaluation.in_last_rounds(self.trainer, self.eval_last, int(batch["round"])):
             if self.trainer.val_check_batch is not None:
                 self.trainer.val_check_batch = 1
+
+    # ---- Lightning's per-batch plumbing where our batches and our evaluation make it idle --------------------
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """On the CPU a round (``{"round", "clients"}`` tensors) or a chunk of client ids (host ints) is where it
+        has to be: returned as it is (Lightning's move would return the same tensors and ints); elsewhere moved."""
+        if device.type == "cpu" and (
+            (isinstance(batch, dict) and all(isinstance(v, Tensor) and v.device.type == "cpu" for v in batch.values()))
+            or (isinstance(batch, list) and all(type(c) is int for c in batch))
+        ):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_validation_model_eval(self) -> None:
+        """Nothing: every evaluation path puts the network in eval mode itself and restores its mode
+        (``evaluation.evaluate_clients``), so Lightning's ``eval()`` of every submodule before each validation and the
+        mode restore after it (``on_validation_model_train``) are skipped."""
+
+    def on_validation_model_train(self) -> None:
+        """Nothing (see ``on_validation_model_eval``)."""
 
     # ---- evaluation: Lightning's validation and test loops -----------------------------------------------
     def on_validation_epoch_start(self) -> None:
