@@ -290,7 +290,8 @@ class CohortSums:
             means = flat / weight.to(flat.device)
             out, i = {}, 0
             for n, v in self.delta_sums.items():
-                out[n] = means[i : i + v.numel()].view(v.shape)
+                # a 0-d sum divided alone promotes to float64 (two 0-d tensors): it is divided alone, as before
+                out[n] = means[i : i + v.numel()].view(v.shape) if v.dim() else v.to(dtype) / weight.to(v.device)
                 i += v.numel()
             return out
         sums = {n: v.to(t.dtype) if (t := template[n]).is_floating_point() else v for n, v in self.delta_sums.items()}

@@ -166,6 +166,48 @@ def test_log_scalars_writes_the_same_metrics_csv_and_callback_metrics_as_log_dic
     assert fast_history == history and len(history) == 3
 
 
+def test_log_scalars_registers_a_key_through_lightning_once_then_updates_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``_ResultCollection.log`` sees each (hook, key) once, at its first round; later rounds update the
+    metric it registered (and the CSV test above shows the same values reach the same places)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    seen: list[tuple[str, str]] = []
+    original = _ResultCollection.log
+
+    def log(self, fx, name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((fx, name))
+        return original(self, fx, name, *args, **kwargs)
+
+    monkeypatch.setattr(_ResultCollection, "log", log)
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    make_trainer(4).fit(module, datamodule=dm)
+    assert ("training_step", "train/loss") in seen and ("on_validation_epoch_end", "val/acc_mean") in seen
+    assert len(seen) == len(set(seen))
+
+
+def test_a_key_logged_again_with_other_arguments_is_refused_as_lightning_refuses_it() -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    calls: list[int] = []
+
+    def log_twice(metrics: dict, prog_bar: bool = False) -> None:
+        lightning_logging.log_scalars(module, metrics, prog_bar)
+        if len(calls) == 0 and "train/loss" in metrics:
+            calls.append(1)
+            lightning_logging.log_scalars(module, {"train/loss": 1.0}, prog_bar=True)  # registered without
+
+    module.log_scalars = log_twice
+    with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
+        make_trainer(2).fit(module, datamodule=dm)
+
+
 class _LogsOutsideATrainer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
