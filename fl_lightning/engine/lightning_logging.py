@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import lightning
@@ -121,9 +121,10 @@ def install() -> bool:
     return True
 
 
-def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: bool = False) -> None:
+def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: bool | Collection[str] = False) -> None:
     """``module.log_dict(metrics, prog_bar=prog_bar)`` for numbers and one-element tensors, with ``self.log``'s
-    per-call work done once (see the module docstring); the same values reach the same places."""
+    per-call work done once (see the module docstring); the same values reach the same places. ``prog_bar`` may
+    name the keys that go to the progress bar (then each key is logged as ``self.log`` with its own ``prog_bar``)."""
     from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
     from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype
 
@@ -140,7 +141,11 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
         or any("/dataloader_idx_" in k for k in metrics)
         or (trainer.training and module_reads_dataloader_iter(module))
     ):
-        module.log_dict(dict(metrics), prog_bar=prog_bar)
+        if isinstance(prog_bar, bool):
+            module.log_dict(dict(metrics), prog_bar=prog_bar)
+        else:  # log_dict is self.log key by key: the same, each key with its own prog_bar
+            for name, value in metrics.items():
+                module.log_dict({name: value}, prog_bar=name in prog_bar)
         return
     on_step, on_epoch = _FxValidator.check_logging_and_get_default_levels(fx, on_step=None, on_epoch=None)
     numbers_at = [k for k, v in metrics.items() if not isinstance(v, Tensor)]
@@ -151,15 +156,16 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
     if trainer._logger_connector.should_reset_tensors(fx):
         results.reset(metrics=False, fx=fx)
     reduce = trainer.strategy.reduce
-    signature = (prog_bar, on_step, on_epoch, reduce)
     suffix = "" if results.dataloader_idx is None else f".{results.dataloader_idx}"
     for name, value in metrics.items():
         value = converted[name] if name in converted else value.clone().detach().squeeze()
+        shown = prog_bar if isinstance(prog_bar, bool) else name in prog_bar
+        signature = (shown, on_step, on_epoch, reduce)
         metric = results.get(f"{fx}.{name}{suffix}")
         if metric is not None and metric.__dict__.get(LOGGED_AS) == signature:
             update_logged(results, metric, value)
             continue
-        results.log(fx, name, value, prog_bar=prog_bar, logger=True, on_step=on_step, on_epoch=on_epoch,
+        results.log(fx, name, value, prog_bar=shown, logger=True, on_step=on_step, on_epoch=on_epoch,
                     reduce_fx="mean", enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False,
                     sync_dist_fn=reduce, sync_dist_group=None, metric_attribute=None, rank_zero_only=False)  # fmt: skip
         results[f"{fx}.{name}{suffix}"].__dict__[LOGGED_AS] = signature

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any, Literal
 
 import lightning as L
@@ -339,8 +340,9 @@ class FederatedModule(L.LightningModule):
             metrics.update({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
         self.log_scalars(metrics)  # one call per round
 
-    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool = False) -> None:
-        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``), to the same destinations."""
+    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool | Collection[str] = False) -> None:
+        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``), to the same destinations;
+        ``prog_bar`` True, or the keys shown on the progress bar."""
         lightning_logging.log_scalars(self, metrics, prog_bar)
 
     def _count_upload(self, round_bytes: float) -> float:
@@ -419,8 +421,8 @@ class FederatedModule(L.LightningModule):
                 metrics[key + "_sem"] = evaluation.sampled_sem(result, self.fed.num_clients, regression)
             self.history.append({"round": result.round, **metrics})
             metrics[key.replace("_mean", "_last10")] = mean_of_last(self.history, key, self.eval_last)
-        self.log_scalars(metrics, prog_bar=True)
-        self.log_scalars({"round": float(result.round)})  # every metrics.csv row names its round
+        # every metrics.csv row names its round (not on the progress bar): one call for both
+        self.log_scalars({**metrics, "round": float(result.round)}, prog_bar=set(metrics))
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()

@@ -139,7 +139,11 @@ def _fit_csv(fast: bool, root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[s
     from lightning.pytorch.loggers import CSVLogger
 
     if not fast:
-        lightnings = lambda self, m, prog_bar=False: self.log_dict(m, prog_bar=prog_bar)  # noqa: E731
+
+        def lightnings(self: FederatedModule, m: dict, prog_bar: bool | set = False) -> None:  # self.log per key
+            for k, v in m.items():
+                self.log(k, v, prog_bar=prog_bar if isinstance(prog_bar, bool) else k in prog_bar)
+
         monkeypatch.setattr(FederatedModule, "log_scalars", lightnings)
     L.seed_everything(0, verbose=False)
     dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
@@ -147,6 +151,7 @@ def _fit_csv(fast: bool, root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[s
     trainer = make_trainer(3, logger=CSVLogger(str(root), name="", version=""), log_every_n_steps=1)
     trainer.fit(module, datamodule=dm)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    logged |= {f"progress bar: {k}": float(v) for k, v in trainer.progress_bar_metrics.items()}
     fitted = (root / "metrics.csv").read_text()
     trainer.test(module, datamodule=dm, verbose=False)
     monkeypatch.undo()
@@ -163,6 +168,7 @@ def test_log_scalars_writes_the_same_metrics_csv_and_callback_metrics_as_log_dic
     assert {"train/loss", "faults/dropped", "val/acc_mean", "round", "step", "epoch"} <= set(header)
     assert "test/acc_mean" in csv and len(csv.splitlines()) > 6  # training and validation rows, the test row
     assert fast_logged == logged and {"train/loss", "val/acc_mean", "faults/stragglers"} <= set(logged)
+    assert "progress bar: val/acc_mean" in logged and "progress bar: round" not in logged
     assert fast_history == history and len(history) == 3
 
 
@@ -223,6 +229,9 @@ def test_log_scalars_hands_anything_else_to_log_dict() -> None:
     module = _LogsOutsideATrainer()
     lightning_logging.log_scalars(module, {"a": 1.0, "b": torch.tensor(2.0)}, prog_bar=True)
     assert module.calls == [({"a": 1.0, "b": torch.tensor(2.0)}, True)]
+    module.calls.clear()  # keys named for the progress bar: log_dict key by key, in order, each with its own
+    lightning_logging.log_scalars(module, {"a": 1.0, "r": 3.0, "b": 2.0}, prog_bar={"a", "b"})
+    assert module.calls == [({"a": 1.0}, True), ({"r": 3.0}, False), ({"b": 2.0}, True)]
 
 
 # ---- cached signature reads ------------------------------------------------------------------------------------
