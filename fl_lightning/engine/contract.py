@@ -56,7 +56,13 @@ def check_vectorizable(algorithm_class: type) -> None:
 
 def contract_problems(algorithm_class: type) -> list[str]:
     """Every use of what ``Client`` does not offer in the methods of ``algorithm_class`` and its bases (and the
-    module-level functions they call), as ``"<where> reads ctx.x, which only the sequential loop offers"``."""
+    module-level functions they call), as ``"<where> reads ctx.x, which only the sequential loop offers"``. Read
+    once per class and process (a class's source does not change while it runs; every run's set-up asks)."""
+    return list(_class_problems(algorithm_class))
+
+
+@cache
+def _class_problems(algorithm_class: type) -> tuple[str, ...]:
     problems: list[str] = []
     for klass in algorithm_class.__mro__:
         if klass.__module__.partition(".")[0] in OUTSIDE:
@@ -75,7 +81,7 @@ def contract_problems(algorithm_class: type) -> list[str]:
                 problems += _function_problems(item, where)
         for name in sorted(called):
             problems += _function_problems(functions[name], f"{name} ({file}:{functions[name].lineno})")
-    return list(dict.fromkeys(problems))
+    return tuple(dict.fromkeys(problems))
 
 
 def _function_problems(function: ast.FunctionDef, where: str) -> list[str]:

@@ -249,12 +249,22 @@ class FederatedModule(L.LightningModule):
         return next((p.dtype for p in self.net.parameters() if p.is_floating_point()), None)
 
     def on_fit_start(self) -> None:
-        self.fed = self.fed.to(self.device, self.data_dtype())
+        self._data_to_device()
         self._fit_start = time.perf_counter()
         evaluation.check_monitored_keys(self.fed, self.net, self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
-        self.fed = self.fed.to(self.device, self.data_dtype())
+        self._data_to_device()
+
+    def _data_to_device(self) -> None:
+        """The client data on the module's device in its dtype (``FederatedData.to``); data this method already
+        moved there is left as it is (moving it again would build an equal copy holding the same tensors)."""
+        where = (self.device, self.data_dtype())
+        moved = getattr(self, "_fed_moved", None)
+        if moved is not None and moved[0] is self.fed and moved[1] == where:
+            return
+        self.fed = self.fed.to(*where)
+        self._fed_moved = (self.fed, where)
 
     on_test_start = on_validation_start
 

@@ -160,3 +160,22 @@ def test_the_error_is_one_line_before_round_one() -> None:
     assert "reads ctx.x, which only the sequential loop offers" in message
     assert message.endswith("write it against fl_lightning.client.Client only, or declare vectorizable = False")
     FederatedModule(FedAvg(1), LinearRepresentation(6, 2), aggregation="uniform").attach_data(dm.federated)
+
+
+def test_a_class_is_read_once_and_each_caller_gets_its_own_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fl_lightning.engine import contract
+
+    class Fresh(Algorithm):
+        vectorizable = True
+
+        def client_update(self, ctx, global_params, state):  # noqa: ANN001, ANN201
+            return ctx.x
+
+    reads: list[type] = []
+    original = contract._class_node
+    monkeypatch.setattr(contract, "_class_node", lambda klass: (reads.append(klass), original(klass))[1])
+    first = contract_problems(Fresh)
+    first.append("changed by a caller")
+    again = contract_problems(Fresh)
+    assert again == first[:-1] and len(again) == 1 and "reads ctx.x" in again[0]
+    assert reads.count(Fresh) == 1

@@ -1442,3 +1442,19 @@ def test_validation_scores_and_modes_are_those_of_lightnings_eval_and_train_arou
     theirs, _ = run(True)
     assert ours == theirs and len(ours) == 3
     assert all(modes) and len(modes) == 4  # after each of the 3 validations and at the end
+
+
+def test_validation_start_moves_data_once_and_again_when_the_data_or_the_dtype_change() -> None:
+    module = FederatedModule(FedAvg(1), nn.Linear(64, 10))
+    module.fed = digits_fed_2(val=True)
+    module.on_validation_start()
+    moved = module.fed
+    module.on_validation_start()  # already there: the same data, not an equal copy
+    assert module.fed is moved and moved.train.x.dtype == torch.float32
+    module.net.double()  # the network's dtype changed: the data follows
+    module.on_validation_start()
+    assert module.fed is not moved and module.fed.train.x.dtype == torch.float64
+    fresh = digits_fed_2(val=True)
+    module.fed = fresh  # new data (attach_data): moved
+    module.on_validation_start()
+    assert module.fed is not fresh and module.fed.train.x.dtype == torch.float64
