@@ -249,6 +249,15 @@ def score_client(
     return total[0], int(total[1]), total[2]
 
 
+def data_to_device(module: Module) -> None:
+    """The module's client data on its device in its dtype (``FederatedData.to``); data this function already moved
+    there is left as it is (moving it again would build an equal copy holding the same tensors)."""
+    where, moved = (module.device, module.data_dtype()), getattr(module, "_fed_moved", (None, None))
+    if moved[0] is not module.fed or moved[1] != where:
+        module.fed = module.fed.to(*where)
+        module._fed_moved = (module.fed, where)
+
+
 def evaluate_clients(
     module: Module,
     clients: list[int],

@@ -18,6 +18,15 @@ dataclass) even when every tensor is already on that device. A federated round l
 communication and validation metrics), so on the CPU that walk was a sixth of a batched digits job's time
 (py-spy profiles of ``python -m benchmarks.batched_runs``; ``benchmarks/batched_runs.py`` measures the grids).
 
+A key a round logs again with the same arguments (hook, progress bar, levels, reduction) is not handed to
+``_ResultCollection.log`` again, which would build a new ``_Metadata``, compare it with the stored one and move the
+metric: ``update_logged`` does what that call then does (the move when one is needed, the batch size, the metric's
+update). A key logged with other arguments still goes to Lightning, which refuses it as ``self.log`` does.
+
+``LeanHooks`` (mixed into ``FederatedModule``) skips per-batch work the module's batches and evaluation leave idle:
+``nn.Module``'s registration checks when Lightning sets a plain attribute, the device move of a CPU round or chunk
+of client ids, and the ``eval()``/``train()`` walk around each validation (evaluation sets the network's mode).
+
 ``install()`` wraps ``_ResultMetric.to``: when the move names one device and every tensor the metric holds is on
 it, the metric is returned as it is (the move would have produced the same tensors); otherwise Lightning's own
 ``to`` runs. It is installed for the Lightning versions pyproject.toml allows (2.6), whose ``_ResultMetric`` the
@@ -194,3 +203,35 @@ def module_reads_dataloader_iter(module: LightningModule) -> bool:
     from lightning.pytorch.core import module as lightning_module
 
     return lightning_module.is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+class LeanHooks:
+    """Lightning's per-batch plumbing where a federated module's batches and evaluation leave it idle (mixed into
+    ``FederatedModule`` before ``LightningModule``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
+        sets ``_current_fx_name`` twice per hook call): ``nn.Module.__setattr__`` would only find that it is no
+        parameter, buffer or submodule (a name in ``__dict__`` is none of them) and end the same way."""
+        if name in self.__dict__ and not isinstance(value, (Tensor, torch.nn.Module)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """On the CPU a round (``{"round", "clients"}`` tensors) or a chunk of client ids (host ints) is where it
+        has to be: returned as it is (Lightning's move would return the same tensors and ints); elsewhere moved."""
+        if device.type == "cpu" and (
+            (isinstance(batch, dict) and all(isinstance(v, Tensor) and v.device.type == "cpu" for v in batch.values()))
+            or (isinstance(batch, list) and all(type(c) is int for c in batch))
+        ):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+
+    def on_validation_model_eval(self) -> None:
+        """Nothing: every evaluation path puts the network in eval mode itself and restores its mode
+        (``evaluation.evaluate_clients``), so Lightning's ``eval()`` of every submodule before each validation and the
+        mode restore after it (``on_validation_model_train``) are skipped."""
+
+    def on_validation_model_train(self) -> None:
+        """Nothing (see ``on_validation_model_eval``)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
 from typing import Any, Literal
 
 import lightning as L
@@ -55,7 +54,7 @@ lightning_logging.install()  # self.log without Lightning's per-call walk when n
 log = logging.getLogger("fl_lightning")
 
 
-class FederatedModule(L.LightningModule):
+class FederatedModule(lightning_logging.LeanHooks, L.LightningModule):
     """A federated run of ``algorithm`` on the split model ``network``.
 
     Args:
@@ -177,15 +176,6 @@ class FederatedModule(L.LightningModule):
         self.run_axis: Any = None  #: the run axis' lockstep (``fl_lightning.experiment.run_axis``) when batched
         self._fit_start, self.resumed_wall_s = 0.0, 0.0  #: resumed: training seconds before the run's checkpoint
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
-        sets ``_current_fx_name`` twice per hook call): ``nn.Module.__setattr__`` would only find that it is no
-        parameter, buffer or submodule (a name in ``__dict__`` is none of them) and end the same way."""
-        if name in self.__dict__ and not isinstance(value, (Tensor, nn.Module)):
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
     # ---- set-up ------------------------------------------------------------------------------------------
     def global_params(self) -> Params:
         """The global model as a detached ``name -> tensor`` dict (parameters and buffers)."""
@@ -249,22 +239,12 @@ class FederatedModule(L.LightningModule):
         return next((p.dtype for p in self.net.parameters() if p.is_floating_point()), None)
 
     def on_fit_start(self) -> None:
-        self._data_to_device()
+        evaluation.data_to_device(self)
         self._fit_start = time.perf_counter()
         evaluation.check_monitored_keys(self.fed, self.net, self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
-        self._data_to_device()
-
-    def _data_to_device(self) -> None:
-        """The client data on the module's device in its dtype (``FederatedData.to``); data this method already
-        moved there is left as it is (moving it again would build an equal copy holding the same tensors)."""
-        where = (self.device, self.data_dtype())
-        moved = getattr(self, "_fed_moved", None)
-        if moved is not None and moved[0] is self.fed and moved[1] == where:
-            return
-        self.fed = self.fed.to(*where)
-        self._fed_moved = (self.fed, where)
+        evaluation.data_to_device(self)
 
     on_test_start = on_validation_start
 
@@ -350,9 +330,8 @@ class FederatedModule(L.LightningModule):
             metrics.update({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
         self.log_scalars(metrics)  # one call per round
 
-    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool | Collection[str] = False) -> None:
-        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``), to the same destinations;
-        ``prog_bar`` True, or the keys shown on the progress bar."""
+    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool | set[str] = False) -> None:
+        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``); ``prog_bar``: True or keys."""
         lightning_logging.log_scalars(self, metrics, prog_bar)
 
     def _count_upload(self, round_bytes: float) -> float:
@@ -372,25 +351,6 @@ class FederatedModule(L.LightningModule):
         if evaluation.in_last_rounds(self.trainer, self.eval_last, int(batch["round"])):
             if self.trainer.val_check_batch is not None:
                 self.trainer.val_check_batch = 1
-
-    # ---- Lightning's per-batch plumbing where our batches and our evaluation make it idle --------------------
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """On the CPU a round (``{"round", "clients"}`` tensors) or a chunk of client ids (host ints) is where it
-        has to be: returned as it is (Lightning's move would return the same tensors and ints); elsewhere moved."""
-        if device.type == "cpu" and (
-            (isinstance(batch, dict) and all(isinstance(v, Tensor) and v.device.type == "cpu" for v in batch.values()))
-            or (isinstance(batch, list) and all(type(c) is int for c in batch))
-        ):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def on_validation_model_eval(self) -> None:
-        """Nothing: every evaluation path puts the network in eval mode itself and restores its mode
-        (``evaluation.evaluate_clients``), so Lightning's ``eval()`` of every submodule before each validation and the
-        mode restore after it (``on_validation_model_train``) are skipped."""
-
-    def on_validation_model_train(self) -> None:
-        """Nothing (see ``on_validation_model_eval``)."""
 
     # ---- evaluation: Lightning's validation and test loops -----------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -431,8 +391,7 @@ class FederatedModule(L.LightningModule):
                 metrics[key + "_sem"] = evaluation.sampled_sem(result, self.fed.num_clients, regression)
             self.history.append({"round": result.round, **metrics})
             metrics[key.replace("_mean", "_last10")] = mean_of_last(self.history, key, self.eval_last)
-        # every metrics.csv row names its round (not on the progress bar): one call for both
-        self.log_scalars({**metrics, "round": float(result.round)}, prog_bar=set(metrics))
+        self.log_scalars({**metrics, "round": float(result.round)}, prog_bar=set(metrics))  # each row names its round
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()

@@ -9,9 +9,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
+from torch import nn
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import FedAvg
+from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.engine import lightning_logging
 from fl_lightning.engine.lightning_logging import skip_idle_moves
 from fl_lightning.engine.module import FederatedModule
@@ -266,3 +267,68 @@ def test_install_caches_the_signature_reads_of_lightnings_per_batch_readers() ->
     assert lightning_logging.install()
     for name in lightning_logging.SIGNATURE_READERS:
         assert hasattr(importlib.import_module(name).is_param_in_hook_signature, "lightning_read"), name
+
+
+# ---- LeanHooks: Lightning's per-batch plumbing ---------------------------------------------------------------
+def test_setting_attributes_registers_parameters_modules_and_buffers_as_nn_module_does() -> None:
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    module._current_fx_name = "training_step"  # a plain attribute: set directly
+    module.rounds_trained = 3
+    assert module._current_fx_name == "training_step" and module.__dict__["rounds_trained"] == 3
+    module.extra = nn.Linear(2, 2)  # new names go through nn.Module
+    module.scale = nn.Parameter(torch.ones(1))
+    module.register_buffer("marker", torch.zeros(1))
+    module.marker = torch.ones(1)
+    assert "extra" in module._modules and "scale" in module._parameters and module._buffers["marker"].item() == 1.0
+    module.summary = nn.Linear(1, 1)  # an existing plain attribute set to a module is registered and leaves __dict__
+    assert "summary" in module._modules and "summary" not in module.__dict__
+    module.history = torch.zeros(2)  # a tensor for a plain attribute: nn.Module's path (a plain attribute again)
+    assert module.__dict__["history"].shape == (2,)
+    module.automatic_optimization = True  # a property still goes through its setter
+    assert module.automatic_optimization is True
+
+
+def test_a_cpu_round_or_chunk_of_clients_is_handed_over_as_it_is() -> None:
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    cpu = torch.device("cpu")
+    batch = {"round": torch.tensor(3), "clients": torch.tensor([1, 4])}
+    assert module.transfer_batch_to_device(batch, cpu, 0) is batch
+    chunk = [0, 2, 5]
+    assert module.transfer_batch_to_device(chunk, cpu, 0) is chunk
+    other = (torch.zeros(2), [torch.ones(1)])  # anything else: Lightning's move (the same tensors on the CPU)
+    moved = module.transfer_batch_to_device(other, cpu, 0)
+    assert moved is not other and moved[0] is other[0] and moved[1][0] is other[1][0]
+    meta = module.transfer_batch_to_device(batch, torch.device("meta"), 0)  # another device: moved
+    assert meta["round"].device.type == "meta" and meta["clients"].device.type == "meta"
+    assert module.transfer_batch_to_device([1.0, 2.0], cpu, 0) == [1.0, 2.0]
+
+
+def test_validation_scores_and_modes_are_those_of_lightnings_eval_and_train_around_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With Lightning's own hooks (eval() of every submodule before each validation, the modes restored after)
+    a fit records the same history, and the network is in train mode after each validation either way."""
+
+    def run(lightning_hooks: bool) -> tuple[list[dict], list[bool]]:
+        if lightning_hooks:
+            for hook in ("on_validation_model_eval", "on_validation_model_train"):
+                monkeypatch.setattr(FederatedModule, hook, getattr(L.LightningModule, hook))
+        L.seed_everything(0, verbose=False)
+        dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+        module = FederatedModule(FedRep(head_epochs=1, body_epochs=1), DigitsMLP(hidden=(8,)))
+        modes: list[bool] = []
+        original = module.on_validation_end
+
+        def record() -> None:
+            original()
+            modes.append(module.net.training)
+
+        module.on_validation_end = record
+        make_trainer(3).fit(module, datamodule=dm)
+        monkeypatch.undo()
+        return module.history, modes + [module.net.training]
+
+    ours, modes = run(False)
+    theirs, _ = run(True)
+    assert ours == theirs and len(ours) == 3
+    assert all(modes) and len(modes) == 4  # after each of the 3 validations and at the end
