@@ -249,13 +249,13 @@ def score_client(
     return total[0], int(total[1]), total[2]
 
 
-def data_to_device(module: Module) -> None:
-    """The module's client data on its device in its dtype (``FederatedData.to``); data this function already moved
-    there is left as it is (moving it again would build an equal copy holding the same tensors)."""
-    where, moved = (module.device, module.data_dtype()), getattr(module, "_fed_moved", (None, None))
-    if moved[0] is not module.fed or moved[1] != where:
-        module.fed = module.fed.to(*where)
-        module._fed_moved = (module.fed, where)
+def data_to_device(fed: FederatedData, where: tuple[torch.device, torch.dtype | None], moved: Any) -> tuple[Any, Any]:
+    """``fed`` on ``where`` (device, dtype; ``FederatedData.to``) and the mark of that move; data that the previous
+    call's mark ``moved`` says it moved there is returned as it is (moving it again would build an equal copy)."""
+    if moved is not None and moved[0] is fed and moved[1] == where:
+        return fed, moved
+    fed = fed.to(*where)
+    return fed, (fed, where)
 
 
 def evaluate_clients(

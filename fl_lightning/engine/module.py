@@ -239,12 +239,13 @@ class FederatedModule(lightning_logging.LeanHooks, L.LightningModule):
         return next((p.dtype for p in self.net.parameters() if p.is_floating_point()), None)
 
     def on_fit_start(self) -> None:
-        evaluation.data_to_device(self)
+        self.on_validation_start()  # the client data on the module's device
         self._fit_start = time.perf_counter()
         evaluation.check_monitored_keys(self.fed, self.net, self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
-        evaluation.data_to_device(self)
+        moved = getattr(self, "_fed_moved", None)  # the data this moved there last time: left as it is
+        self.fed, self._fed_moved = evaluation.data_to_device(self.fed, (self.device, self.data_dtype()), moved)
 
     on_test_start = on_validation_start
 
