@@ -104,6 +104,7 @@ class CommunicationLedger:
         self.history: list[RoundDisclosure] = []
         self.observers: list[Callable[[int, int, dict[str, Tensor]], None]] = []
         self._kinds: dict[str, tuple[bool, bool, bool]] = {}  #: ``_kind`` per upload name, matched once
+        self._upload_kinds: dict[tuple[str, ...], list[tuple[bool, bool, bool]]] = {}  #: per upload's names
 
     def _kind(self, name: str) -> tuple[bool, bool, bool]:
         """(refused, state-dependent, side-dependent) of an upload name: its prefixes are matched once per run."""
@@ -141,22 +142,26 @@ class CommunicationLedger:
         self.history.append(RoundDisclosure(round_idx))
 
     def upload(self, round_idx: int, client: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        kinds = [self._kind(name) for name in tensors]
-        for name, (refused, _, _) in zip(tensors, kinds):
+        names = tuple(tensors)
+        kinds = self._upload_kinds.get(names)
+        if kinds is None:  # an upload's names are the same every round: matched once
+            kinds = self._upload_kinds[names] = [self._kind(name) for name in names]
+        for name, (refused, _, _) in zip(names, kinds):
             if refused:
                 raise PrivacyViolation(
                     f"client {client} tried to upload '{name}' in round {round_idx}: "
                     "it is personal client state or not in the algorithm's declared upload"
                 )
-        size = tensor_bytes(tensors)
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]  # tensor_bytes, per tensor
+        size = sum(sizes)
         self.upload_bytes += size
         if not self.history or self.history[-1].round != round_idx:
             self.history.append(RoundDisclosure(round_idx))
         record = self.history[-1]
         record.uploads += 1
         record.bytes += size
-        record.state_dependent_bytes += tensor_bytes({n: t for (n, t), k in zip(tensors.items(), kinds) if k[1]})
-        record.side_dependent_bytes += tensor_bytes({n: t for (n, t), k in zip(tensors.items(), kinds) if k[2]})
+        record.state_dependent_bytes += sum(b for b, k in zip(sizes, kinds) if k[1])
+        record.side_dependent_bytes += sum(b for b, k in zip(sizes, kinds) if k[2])
         for observer in self.observers:
             observer(round_idx, client, tensors)
         for observer in CommunicationLedger.global_observers:
@@ -236,6 +241,9 @@ class CohortSums:
     counts: Tensor | None = None  #: [weight, weighted_loss, samples, survivors, non_finite] before the reduction
     finite: Tensor | None = None  #: which of ``positions`` sent finite values (this rank)
     notes: dict[str, Any] = field(default_factory=dict)
+    #: after ``all_reduce``: ``delta_sums`` laid end to end in float64 (they are views of it), and their names
+    flat_sums: Tensor | None = None
+    flat_names: tuple[str, ...] = ()
 
     def all_reduce(
         self, strategy: Any, device: torch.device, layout: Sequence[Sequence[int]] | None = None
@@ -255,11 +263,13 @@ class CohortSums:
         total = RoundStats.from_tensor(flat[i:])  # the round's one read of the device
         if total.non_finite and self.finite is not None:
             self._log_non_finite()
+        float64 = all(t.dtype == torch.float64 for t in self.delta_sums.values())
+        laid = {"flat_sums": flat[:i], "flat_names": tuple(sums)} if float64 else {}
         world = getattr(strategy, "world_size", 1)
         if world == 1 or layout is None:
-            return CohortSums(sums, self.state_rows, self.positions, total)
+            return CohortSums(sums, self.state_rows, self.positions, total, **laid)
         rows, positions = gather_rows(strategy, self.state_rows, layout)
-        return CohortSums(sums, rows, positions, total)
+        return CohortSums(sums, rows, positions, total, **laid)
 
     def _log_non_finite(self) -> None:
         bad = (~self.finite).nonzero().flatten().tolist()  # only when some client sent non-finite values
@@ -273,6 +283,17 @@ class CohortSums:
         if self.stats.weight <= 0:
             return {}
         weight = torch.tensor(self.stats.weight, dtype=torch.float64)
+        dtypes = {template[n].dtype for n in self.delta_sums}
+        if self.flat_sums is not None and tuple(self.delta_sums) == self.flat_names and len(dtypes) == 1:
+            (dtype,) = dtypes  # one dtype: the same two operations on the sums laid end to end
+            flat = self.flat_sums.to(dtype) if dtype.is_floating_point else self.flat_sums
+            means = flat / weight.to(flat.device)
+            out, i = {}, 0
+            for n, v in self.delta_sums.items():
+                # a 0-d sum divided alone promotes to float64 (two 0-d tensors): it is divided alone, as before
+                out[n] = means[i : i + v.numel()].view(v.shape) if v.dim() else v.to(dtype) / weight.to(v.device)
+                i += v.numel()
+            return out
         sums = {n: v.to(t.dtype) if (t := template[n]).is_floating_point() else v for n, v in self.delta_sums.items()}
         return {n: s / weight.to(s.device) for n, s in sums.items()}
 
@@ -387,28 +408,33 @@ class Aggregation:
         if not updates:
             sums = {n: torch.zeros_like(t, dtype=torch.float64) for n, t in template.items()}
             return CohortSums(sums, {n: v[:0] for n, v in cohort_states.items()}, [], stats)
-        uploads = {n: torch.stack([u.upload[n] for u in updates]) for n in template}
-        new_rows = {n: torch.stack([u.state[n] for u in updates]) for n in cohort_states}
-        finite = torch.ones(len(updates), dtype=torch.bool, device=device)
-        for t in (*uploads.values(), *new_rows.values()):
+        ups, news = [u.upload for u in updates], [u.state for u in updates]
+        blocks = ClientColumns.of(ups, news, list(template), list(cohort_states), global_params)
+        loose = {n: torch.stack([p[n] for p in ups]) for n in blocks.loose_uploads}  # integer uploads and the like
+        loose_rows = {n: torch.stack([p[n] for p in news]) for n in blocks.loose_states}
+        finite = blocks.finite(len(updates), device)
+        for t in (*loose.values(), *loose_rows.values()):
             if t.is_floating_point():
                 finite = finite & torch.isfinite(t).reshape(len(updates), -1).all(1)
         host = [float(u.num_samples) if self.weighting == "num_samples" else 1.0 for u in updates]
         sizes = [float(u.num_samples) for u in updates]
         host_t = to_device(torch.tensor([host, sizes], dtype=torch.float64), device)
         weight = torch.where(finite, host_t[0], 0.0)
-        losses = torch.stack([torch.as_tensor(u.loss, device=device).reshape(()).double() for u in updates])
-        sums = {}
-        for n, v in uploads.items():
+        losses = client_losses([u.loss for u in updates], device)
+        sums = blocks.weighted_delta_sums(finite, weight, global_params)
+        for n, v in loose.items():
             delta = v - global_params[n] if n in global_params else v
             if not delta.is_floating_point():
                 delta = delta.double()
             delta = torch.where(_rows(finite, delta), delta, 0.0)
             sums[n] = (per_client(weight, delta) * delta).double().sum(0)
-        index = to_device(torch.tensor(active, dtype=torch.long), device)
+        sums = {n: sums[n] for n in template}  # in the template's order
+        every = list(active) == list(range(len(cohort)))  # then the old rows are the cohort's rows as they are
+        index = None if every else to_device(torch.tensor(active, dtype=torch.long), device)
         rows = {}
-        for n, v in new_rows.items():
-            old = cohort_states[n].index_select(0, index)
+        for n in cohort_states:
+            v = loose_rows[n] if n in loose_rows else blocks.state(n)
+            old = cohort_states[n] if index is None else cohort_states[n].index_select(0, index)
             rows[n] = torch.where(_rows(finite, v), v.to(old.dtype), old)
         counts = torch.stack(
             [weight.sum(), torch.where(finite, weight * losses, 0.0).sum(), torch.where(finite, host_t[1], 0.0).sum(),
@@ -416,6 +442,107 @@ class Aggregation:
         )  # fmt: skip
         notes = {"round": round_idx, "clients": [cohort[j] for j in active]}
         return CohortSums(sums, rows, list(active), stats, counts, finite, notes)
+
+
+def rows_finite(flat: Tensor) -> Tensor:
+    """``[K]``: whether every value of row k of ``flat`` ``[K, P]`` is finite, as ``isfinite(flat).all(1)``: the
+    largest magnitude of a row is finite exactly when all are (a NaN propagates through ``amax``); a float pass and a
+    reduction, without ``isfinite``'s boolean pass (slow on the CPU)."""
+    if flat.shape[1] == 0:
+        return torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+    return torch.isfinite(flat.abs().amax(1))
+
+
+def client_losses(losses: list[Any], device: torch.device) -> Tensor:
+    """The clients' training losses as one float64 ``[K]`` tensor on ``device``: each as ``torch.as_tensor`` makes
+    it (a Python float in the default dtype), then float64; one call when they are all floats or all 0-d tensors
+    of one dtype and device."""
+    if all(type(v) is float for v in losses):
+        return to_device(torch.tensor(losses), device).double()
+    if all(isinstance(v, Tensor) and v.numel() == 1 and v.device == device for v in losses) and len(
+        {v.dtype for v in losses}
+    ) == 1:
+        return torch.stack([v.reshape(()) for v in losses]).double()
+    return torch.stack([torch.as_tensor(v, device=device).reshape(()).double() for v in losses])
+
+
+@dataclass
+class ClientColumns:
+    """The clients' floating uploads and new state rows, per dtype, side by side in one client-major ``[K, P]``
+    buffer (``flat[k]`` is client k's tensors flattened in ``names`` order): the finite check and the weighted
+    delta are one operation per dtype instead of one per tensor. Each upload's weighted sum is still taken over its
+    own contiguous ``[K, ...]`` block, as the per-tensor sum takes it (a sum over a wider buffer may add in
+    another order). Tensors that do not fit (integer ones, an upload whose global tensor has another dtype) are
+    ``loose_*`` and take the per-tensor path."""
+
+    flats: dict[torch.dtype, Tensor]  #: per dtype, ``[K, P]``
+    spans: dict[tuple[str, str], tuple[torch.dtype, int, int, torch.Size]]  #: (kind, name) -> dtype, columns, shape
+    uploads: dict[torch.dtype, list[str]]  #: per dtype, the uploads at its first columns, in order
+    loose_uploads: list[str]
+    loose_states: list[str]
+
+    @classmethod
+    def of(
+        cls, ups: list[Params], news: list[Params], upload_names: list[str], state_names: list[str], glob: Params
+    ) -> ClientColumns:
+        names: dict[torch.dtype, list[tuple[str, str]]] = {}
+        loose_uploads, loose_states = [], []
+        for n in upload_names:
+            t = ups[0][n]
+            if t.is_floating_point() and (n not in glob or glob[n].dtype == t.dtype):
+                names.setdefault(t.dtype, []).append(("upload", n))
+            else:
+                loose_uploads.append(n)
+        for n in state_names:
+            t = news[0][n]
+            if t.is_floating_point():
+                names.setdefault(t.dtype, []).append(("state", n))
+            else:
+                loose_states.append(n)
+        flats, spans, uploads = {}, {}, {}
+        source = {"upload": ups, "state": news}
+        for dtype, keys in names.items():
+            i = 0
+            for kind, n in keys:
+                shape = source[kind][0][n].shape
+                spans[kind, n] = (dtype, i, i + shape.numel(), shape)
+                i += shape.numel()
+            pieces = [source[kind][k][n].reshape(-1) for k in range(len(ups)) for kind, n in keys]
+            flats[dtype] = torch.cat(pieces).view(len(ups), i)
+            uploads[dtype] = [n for kind, n in keys if kind == "upload"]
+        return cls(flats, spans, uploads, loose_uploads, loose_states)
+
+    def finite(self, k: int, device: torch.device) -> Tensor:
+        """``[K]``: whether every floating value of client k is finite (over the buffers; loose tensors apart)."""
+        finite = None
+        for flat in self.flats.values():
+            finite = rows_finite(flat) if finite is None else finite & rows_finite(flat)
+        return torch.ones(k, dtype=torch.bool, device=device) if finite is None else finite
+
+    def state(self, name: str) -> Tensor:
+        """The new rows ``[K, ...]`` of the buffered state ``name`` (a view of its buffer's columns)."""
+        dtype, a, b, shape = self.spans["state", name]
+        return self.flats[dtype][:, a:b].view(-1, *shape)
+
+    def weighted_delta_sums(self, finite: Tensor, weight: Tensor, glob: Params) -> Params:
+        """Σ_k w_k (upload_k − global) per buffered upload (Σ_k w_k upload_k outside the model), float64; a client
+        that is not finite adds nothing. Elementwise as ``collect``'s per-tensor path, then each upload's own sum."""
+        sums: Params = {}
+        for dtype, names in self.uploads.items():
+            if not names:
+                continue
+            flat = self.flats[dtype]
+            end = self.spans["upload", names[-1]][2]
+            cols = flat[:, :end]
+            base = torch.cat([glob[n].reshape(-1) if n in glob else cols.new_zeros(self.spans["upload", n][3].numel())
+                              for n in names])  # fmt: skip
+            delta = torch.where(finite.view(-1, 1), cols - base, 0.0)
+            weighted = weight.to(dtype).view(-1, 1) * delta
+            for n in names:
+                _, a, b, shape = self.spans["upload", n]
+                block = weighted[:, a:b].to(torch.float64, memory_format=torch.contiguous_format)
+                sums[n] = block.view(-1, *shape).sum(0)
+        return sums
 
 
 def scatter_state(bank: Any, cohort: Sequence[int], sums: CohortSums) -> None:
@@ -455,15 +582,60 @@ class TrainingDiverged(RuntimeError):
     """The global model became NaN/Inf (the last good state is checkpointed)."""
 
 
-def check_finite(net: nn.Module, backup: Params, trainer: Any, round_idx: int) -> None:
+def all_finite(tensors: Iterable[Tensor]) -> Tensor:
+    """A 0-d bool tensor: whether every value of every tensor is finite (``isfinite(t).all()`` for all of them),
+    one reduction per dtype over the tensors laid end to end; real floating tensors by their largest magnitude
+    (``rows_finite``)."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+    checks = []
+    for dtype, pieces in by_dtype.items():
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if flat.numel() == 0:
+            continue
+        checks.append(flat.abs().amax().isfinite() if dtype.is_floating_point else torch.isfinite(flat).all())
+    if len(checks) == 1:
+        return checks[0]
+    return torch.stack(checks).all() if checks else torch.tensor(True)
+
+
+class ParamBackup:
+    """A copy of some of a network's parameters, laid end to end per dtype (one copy per dtype instead of one per
+    tensor); ``restore`` writes them back."""
+
+    def __init__(self, params: Iterable[tuple[str, Tensor]]) -> None:
+        self.names: dict[torch.dtype, list[tuple[str, torch.Size]]] = {}
+        pieces: dict[torch.dtype, list[Tensor]] = {}
+        for n, p in params:
+            self.names.setdefault(p.dtype, []).append((n, p.shape))
+            pieces.setdefault(p.dtype, []).append(p.detach().reshape(-1))
+        self.flats = {dtype: torch.cat(ts) for dtype, ts in pieces.items()}  # cat copies, also a single tensor
+
+    def tensors(self) -> Params:
+        """name -> the saved tensor (views of the copies)."""
+        out: Params = {}
+        for dtype, names in self.names.items():
+            i = 0
+            for n, shape in names:
+                out[n] = self.flats[dtype][i : i + shape.numel()].view(shape)
+                i += shape.numel()
+        return out
+
+    def restore(self, net: nn.Module) -> None:
+        saved = self.tensors()
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                if n in saved:  # frozen parameters that never change are not backed up
+                    p.copy_(saved[n])
+
+
+def check_finite(net: nn.Module, backup: ParamBackup, trainer: Any, round_idx: int) -> None:
     """Stop with a one-line error if the global model turned non-finite, after restoring ``backup`` (the model
     before the round) and saving it as ``checkpoints/last_good_roundNNNNN.ckpt``."""
-    if bool(torch.stack([torch.isfinite(p).all() for p in net.parameters()]).all()):  # one read
+    if bool(all_finite(net.parameters())):  # one read
         return
-    with torch.no_grad():
-        for n, p in net.named_parameters():
-            if n in backup:  # frozen parameters that never change are not backed up
-                p.copy_(backup[n])
+    backup.restore(net)
     path = Path(trainer.default_root_dir) / "checkpoints" / f"last_good_round{round_idx:05d}.ckpt"
     trainer.save_checkpoint(str(path))
     raise TrainingDiverged(

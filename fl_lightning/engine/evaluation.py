@@ -249,6 +249,15 @@ def score_client(
     return total[0], int(total[1]), total[2]
 
 
+def data_to_device(fed: FederatedData, where: tuple[torch.device, torch.dtype | None], moved: Any) -> tuple[Any, Any]:
+    """``fed`` on ``where`` (device, dtype; ``FederatedData.to``) and the mark of that move; data that the previous
+    call's mark ``moved`` says it moved there is returned as it is (moving it again would build an equal copy)."""
+    if moved is not None and moved[0] is fed and moved[1] == where:
+        return fed, moved
+    fed = fed.to(*where)
+    return fed, (fed, where)
+
+
 def evaluate_clients(
     module: Module,
     clients: list[int],

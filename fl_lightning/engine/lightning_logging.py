@@ -18,6 +18,15 @@ dataclass) even when every tensor is already on that device. A federated round l
 communication and validation metrics), so on the CPU that walk was a sixth of a batched digits job's time
 (py-spy profiles of ``python -m benchmarks.batched_runs``; ``benchmarks/batched_runs.py`` measures the grids).
 
+A key a round logs again with the same arguments (hook, progress bar, levels, reduction) is not handed to
+``_ResultCollection.log`` again, which would build a new ``_Metadata``, compare it with the stored one and move the
+metric: ``update_logged`` does what that call then does (the move when one is needed, the batch size, the metric's
+update). A key logged with other arguments still goes to Lightning, which refuses it as ``self.log`` does.
+
+``LeanHooks`` (mixed into ``FederatedModule``) skips per-batch work the module's batches and evaluation leave idle:
+``nn.Module``'s registration checks when Lightning sets a plain attribute, the device move of a CPU round or chunk
+of client ids, and the ``eval()``/``train()`` walk around each validation (evaluation sets the network's mode).
+
 ``install()`` wraps ``_ResultMetric.to``: when the move names one device and every tensor the metric holds is on
 it, the metric is returned as it is (the move would have produced the same tensors); otherwise Lightning's own
 ``to`` runs. It is installed for the Lightning versions pyproject.toml allows (2.6), whose ``_ResultMetric`` the
@@ -28,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import lightning
@@ -47,12 +56,13 @@ STATES = ("value", "cumulated_batch_size", "_forward_cache", "_computed")
 def metric_on(metric: Any, device: torch.device) -> bool:
     """Whether every tensor of a logged metric is on ``device`` (anything else where a tensor may be: no)."""
     held = metric.__dict__
-    for value in [*(held.get(name) for name in STATES), *held.get("_defaults", {}).values()]:
-        if isinstance(value, Tensor):
-            if value.device != device:
+    for values in ((held.get(name) for name in STATES), held.get("_defaults", {}).values()):
+        for value in values:
+            if isinstance(value, Tensor):
+                if value.device != device:
+                    return False
+            elif value is not None and not isinstance(value, (int, float)):
                 return False
-        elif value is not None and not isinstance(value, (int, float)):
-            return False
     return True
 
 
@@ -120,9 +130,10 @@ def install() -> bool:
     return True
 
 
-def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: bool = False) -> None:
+def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: bool | Collection[str] = False) -> None:
     """``module.log_dict(metrics, prog_bar=prog_bar)`` for numbers and one-element tensors, with ``self.log``'s
-    per-call work done once (see the module docstring); the same values reach the same places."""
+    per-call work done once (see the module docstring); the same values reach the same places. ``prog_bar`` may
+    name the keys that go to the progress bar (then each key is logged as ``self.log`` with its own ``prog_bar``)."""
     from lightning.pytorch.trainer.connectors.logger_connector.fx_validator import _FxValidator
     from lightning.pytorch.trainer.connectors.logger_connector.result import _get_default_dtype
 
@@ -139,7 +150,11 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
         or any("/dataloader_idx_" in k for k in metrics)
         or (trainer.training and module_reads_dataloader_iter(module))
     ):
-        module.log_dict(dict(metrics), prog_bar=prog_bar)
+        if isinstance(prog_bar, bool):
+            module.log_dict(dict(metrics), prog_bar=prog_bar)
+        else:  # log_dict is self.log key by key: the same, each key with its own prog_bar
+            for name, value in metrics.items():
+                module.log_dict({name: value}, prog_bar=name in prog_bar)
         return
     on_step, on_epoch = _FxValidator.check_logging_and_get_default_levels(fx, on_step=None, on_epoch=None)
     numbers_at = [k for k, v in metrics.items() if not isinstance(v, Tensor)]
@@ -150,13 +165,37 @@ def log_scalars(module: LightningModule, metrics: Mapping[str, Any], prog_bar: b
     if trainer._logger_connector.should_reset_tensors(fx):
         results.reset(metrics=False, fx=fx)
     reduce = trainer.strategy.reduce
+    suffix = "" if results.dataloader_idx is None else f".{results.dataloader_idx}"
     for name, value in metrics.items():
         value = converted[name] if name in converted else value.clone().detach().squeeze()
-        results.log(fx, name, value, prog_bar=prog_bar, logger=True, on_step=on_step, on_epoch=on_epoch,
+        shown = prog_bar if isinstance(prog_bar, bool) else name in prog_bar
+        signature = (shown, on_step, on_epoch, reduce)
+        metric = results.get(f"{fx}.{name}{suffix}")
+        if metric is not None and metric.__dict__.get(LOGGED_AS) == signature:
+            update_logged(results, metric, value)
+            continue
+        results.log(fx, name, value, prog_bar=shown, logger=True, on_step=on_step, on_epoch=on_epoch,
                     reduce_fx="mean", enable_graph=False, add_dataloader_idx=True, batch_size=None, sync_dist=False,
                     sync_dist_fn=reduce, sync_dist_group=None, metric_attribute=None, rank_zero_only=False)  # fmt: skip
+        results[f"{fx}.{name}{suffix}"].__dict__[LOGGED_AS] = signature
     if metrics:  # what each of Lightning's ``self.log`` calls ends with, once for the call
         trainer._logger_connector._current_fx = fx
+
+
+#: where ``log_scalars`` notes, on a logged metric, the arguments Lightning registered it with (its ``_Metadata``
+#: is then known to equal what the same call would build again)
+LOGGED_AS = "_fl_logged_as"
+
+
+def update_logged(results: Any, metric: Any, value: Tensor) -> None:
+    """What ``_ResultCollection.log`` does for a key it already holds with the same metadata: move the metric to the
+    value's device, take the batch size, update the metric (``update_metrics``), without building and comparing a
+    new ``_Metadata``."""
+    if not metric_on(metric, value.device):  # else ``to`` would return the metric as it is (``skip_idle_moves``)
+        metric.to(value.device)
+    batch_size = results._extract_batch_size(metric, None, metric.meta)
+    metric.forward(value, batch_size)
+    metric.has_reset = False
 
 
 def module_reads_dataloader_iter(module: LightningModule) -> bool:
@@ -164,3 +203,35 @@ def module_reads_dataloader_iter(module: LightningModule) -> bool:
     from lightning.pytorch.core import module as lightning_module
 
     return lightning_module.is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+class LeanHooks:
+    """Lightning's per-batch plumbing where a federated module's batches and evaluation leave it idle (mixed into
+    ``FederatedModule`` before ``LightningModule``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
+        sets ``_current_fx_name`` twice per hook call): ``nn.Module.__setattr__`` would only find that it is no
+        parameter, buffer or submodule (a name in ``__dict__`` is none of them) and end the same way."""
+        if name in self.__dict__ and not isinstance(value, (Tensor, torch.nn.Module)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """On the CPU a round (``{"round", "clients"}`` tensors) or a chunk of client ids (host ints) is where it
+        has to be: returned as it is (Lightning's move would return the same tensors and ints); elsewhere moved."""
+        if device.type == "cpu" and (
+            (isinstance(batch, dict) and all(isinstance(v, Tensor) and v.device.type == "cpu" for v in batch.values()))
+            or (isinstance(batch, list) and all(type(c) is int for c in batch))
+        ):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
+
+    def on_validation_model_eval(self) -> None:
+        """Nothing: every evaluation path puts the network in eval mode itself and restores its mode
+        (``evaluation.evaluate_clients``), so Lightning's ``eval()`` of every submodule before each validation and the
+        mode restore after it (``on_validation_model_train``) are skipped."""
+
+    def on_validation_model_train(self) -> None:
+        """Nothing (see ``on_validation_model_eval``)."""

@@ -54,7 +54,7 @@ lightning_logging.install()  # self.log without Lightning's per-call walk when n
 log = logging.getLogger("fl_lightning")
 
 
-class FederatedModule(L.LightningModule):
+class FederatedModule(lightning_logging.LeanHooks, L.LightningModule):
     """A federated run of ``algorithm`` on the split model ``network``.
 
     Args:
@@ -239,12 +239,13 @@ class FederatedModule(L.LightningModule):
         return next((p.dtype for p in self.net.parameters() if p.is_floating_point()), None)
 
     def on_fit_start(self) -> None:
-        self.fed = self.fed.to(self.device, self.data_dtype())
+        self.on_validation_start()  # the client data on the module's device
         self._fit_start = time.perf_counter()
         evaluation.check_monitored_keys(self.fed, self.net, self.trainer.callbacks)
 
     def on_validation_start(self) -> None:
-        self.fed = self.fed.to(self.device, self.data_dtype())
+        moved = getattr(self, "_fed_moved", None)  # the data this moved there last time: left as it is
+        self.fed, self._fed_moved = evaluation.data_to_device(self.fed, (self.device, self.data_dtype()), moved)
 
     on_test_start = on_validation_start
 
@@ -311,7 +312,7 @@ class FederatedModule(L.LightningModule):
         if sums.stats.survivors == 0:
             log.warning("round %d: no client survived (%d sampled); the model is unchanged", round_idx, cohort_size)
         keep = getattr(self.algorithm, "updates_frozen", False)  # FLoRA merges into the frozen base; else not copied
-        backup = {n: p.detach().clone() for n, p in self.net.named_parameters() if p.requires_grad or keep}
+        backup = aggregation.ParamBackup((n, p) for n, p in self.net.named_parameters() if p.requires_grad or keep)
         mean = self.aggregator.mean(sums, template)
         facts = RoundFacts(round_idx, num_aggregated=int(sums.stats.survivors))
         aggregation.server_step(self.net, self.optimizers()[0], self.algorithm, mean, facts)
@@ -330,8 +331,8 @@ class FederatedModule(L.LightningModule):
             metrics.update({f"privacy/{k}": v for k, v in self.privacy.summary(round_idx + 1).items()})
         self.log_scalars(metrics)  # one call per round
 
-    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool = False) -> None:
-        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``), to the same destinations."""
+    def log_scalars(self, metrics: dict[str, Any], prog_bar: bool | set[str] = False) -> None:
+        """``self.log_dict(metrics)`` in one call (``lightning_logging.log_scalars``); ``prog_bar``: True or keys."""
         lightning_logging.log_scalars(self, metrics, prog_bar)
 
     def _count_upload(self, round_bytes: float) -> float:
@@ -391,8 +392,7 @@ class FederatedModule(L.LightningModule):
                 metrics[key + "_sem"] = evaluation.sampled_sem(result, self.fed.num_clients, regression)
             self.history.append({"round": result.round, **metrics})
             metrics[key.replace("_mean", "_last10")] = mean_of_last(self.history, key, self.eval_last)
-        self.log_scalars(metrics, prog_bar=True)
-        self.log_scalars({"round": float(result.round)})  # every metrics.csv row names its round
+        self.log_scalars({**metrics, "round": float(result.round)}, prog_bar=set(metrics))  # each row names its round
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()

@@ -31,11 +31,16 @@ from fl_lightning.engine.aggregation import (
     Aggregation,
     CohortSums,
     CommunicationLedger,
+    ParamBackup,
     PrivacyViolation,
     RoundReports,
     RoundStats,
     add_delta,
+    all_finite,
+    check_finite,
+    client_losses,
     gather_rows,
+    rows_finite,
     server_step,
     tensor_bytes,
 )
@@ -543,6 +548,201 @@ def test_collect_counts_sample_sizes_beyond_float32_exactly() -> None:
     sums = Aggregation(ledger, "num_samples", "Algo").collect(reports, RoundStats())
     assert sums.counts is not None
     assert sums.counts[0].item() == big + 2 and sums.counts[2].item() == big + 2
+
+
+# ---- collect's buffers against the per-tensor sums, bit for bit ---------------------------------------------------
+def reference_collect(
+    updates: list[ClientUpdate], active: list[int], glob: dict[str, Tensor], template: dict[str, Tensor],
+    states: dict[str, Tensor], uniform: bool = False,
+) -> tuple[dict[str, Tensor], dict[str, Tensor], list[bool], list[float]]:
+    """The weighted delta sums, new state rows, finite flags and counts of ``updates``, tensor by tensor and client by
+    client in plain torch: a client with any non-finite float (upload or state) adds nothing and keeps its old rows;
+    each upload's sum is Σ_k w_k (u_k − g) with the products in the upload's dtype, added in float64."""
+    finite = [
+        all(bool(torch.isfinite(t).all()) for t in (*u.upload.values(), *u.state.values()) if t.is_floating_point())
+        for u in updates
+    ]
+    weights = [(1.0 if uniform else float(u.num_samples)) if ok else 0.0 for u, ok in zip(updates, finite)]
+    sums = {}
+    for n in template:
+        rows = []
+        for u, ok, w in zip(updates, finite, weights):
+            delta = u.upload[n] - glob[n] if n in glob else u.upload[n]
+            delta = delta if delta.is_floating_point() else delta.double()
+            delta = delta if ok else torch.zeros_like(delta)
+            rows.append((torch.tensor(w, dtype=torch.float64).to(delta.dtype) * delta).double())
+        sums[n] = torch.stack(rows).sum(0)
+    new_rows = {}
+    for n, old in states.items():
+        new_rows[n] = torch.stack([u.state[n].to(old.dtype) if ok else old[j]
+                                   for j, u, ok in zip(active, updates, finite)])  # fmt: skip
+    losses = [float(torch.as_tensor(u.loss).double()) for u in updates]
+    counts = [sum(weights), sum(w * v for v, w, ok in zip(losses, weights, finite) if ok),
+              float(sum(u.num_samples for u, ok in zip(updates, finite) if ok)), float(sum(finite)),
+              float(len(finite) - sum(finite))]  # fmt: skip
+    return sums, new_rows, finite, counts
+
+
+SHAPES = {"a": (128, 64), "b": (), "c": (7, 5), "d": (1,), "e": (33,)}
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 5, 7, 17])
+@pytest.mark.parametrize("bad", [None, 0, "last"])
+def test_collect_gives_the_per_tensor_sums_and_rows_bit_for_bit(k: int, bad: Any) -> None:
+    """Uploads of several shapes (scalars too), one outside the model, an integer one, float32 and float64 state
+    rows (one written into a float32 bank), a client with a NaN in an upload or a state row, K from 1 to 17."""
+    g = torch.Generator().manual_seed(k)
+
+    def rnd(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:  # values over twelve orders of magnitude
+        scale = 10.0 ** torch.randint(-6, 6, (), generator=g).item()
+        return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+    glob = {n: rnd(*s) for n, s in SHAPES.items()}
+    template = {**{n: torch.zeros(s) for n, s in SHAPES.items()}, "extra": torch.zeros(3),
+                "count": torch.zeros((), dtype=torch.long)}  # fmt: skip
+    glob["count"] = torch.tensor(5)
+    cohort = list(range(10, 10 + k + 2))
+    active = list(range(1, k + 1))  # position 0 and the last one did not report
+    states = {"v.a": rnd(k + 2, 4, 3), "v.b": rnd(k + 2, 2, dtype=torch.float64), "v.c": rnd(k + 2, 5)}
+    updates = []
+    for i in range(k):
+        upload = {n: glob[n] + rnd(*s) for n, s in SHAPES.items()}
+        upload["extra"], upload["count"] = rnd(3), torch.tensor(5 + i)
+        state = {"v.a": rnd(4, 3), "v.b": rnd(2, dtype=torch.float64), "v.c": rnd(5, dtype=torch.float64)}
+        updates.append(ClientUpdate(upload, state, 10 + 3 * i, torch.tensor(0.5 + i, dtype=torch.float32)))
+    if bad is not None:
+        victim = updates[0 if bad == 0 else -1]
+        if bad == 0:
+            victim.upload["c"][2, 3] = float("nan")
+        else:
+            victim.state["v.b"][1] = float("inf")
+    ledger = CommunicationLedger((), ("v.",), list(states), list(template))
+    want_sums, want_rows, want_finite, want_counts = reference_collect(updates, active, glob, template, states)
+    reports = RoundReports(4, cohort, active, updates, glob, template, states)
+    got = Aggregation(ledger, "num_samples", "Algo").collect(reports, RoundStats())
+    assert list(got.delta_sums) == list(template)
+    for n in template:
+        assert got.delta_sums[n].dtype == torch.float64 and torch.equal(got.delta_sums[n], want_sums[n]), n
+    for n in states:
+        assert got.state_rows[n].dtype == states[n].dtype and torch.equal(got.state_rows[n], want_rows[n]), n
+    assert got.finite.tolist() == want_finite
+    assert got.counts[[0, 2, 3, 4]].tolist() == [want_counts[i] for i in (0, 2, 3, 4)]
+    assert_close_finite(got.counts[1], want_counts[1], rtol=1e-12, atol=0)
+
+
+def test_collect_with_every_position_reporting_keeps_the_cohorts_rows_where_a_client_fails() -> None:
+    """All positions active (the old rows are the cohort's rows as they are): a NaN client keeps its own row."""
+    ups = three_clients()
+    states = {"v": torch.arange(6, dtype=torch.float32).view(3, 2)}
+    sums = Aggregation(ledger_for(TEMPLATE), "num_samples", "Algo").collect(
+        RoundReports(0, [10, 11, 12], [0, 1, 2], ups, GLOB, TEMPLATE, states), RoundStats()
+    )
+    assert sums.state_rows["v"].tolist() == [[1.0, 1.0], [2.0, 3.0], [2.0, 2.0]]
+    assert sums.state_rows["v"].data_ptr() != states["v"].data_ptr()  # new rows, the cohort's left as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_rows_finite_is_isfinite_all_along_rows(dtype: torch.dtype) -> None:
+    """A NaN, +inf or −inf anywhere in a row (every position of rows of 1 to 70 values) makes it non-finite."""
+    for width in [1, 2, 7, 8, 15, 16, 17, 31, 33, 64, 70]:
+        base = torch.randn(3, width).to(dtype)
+        assert rows_finite(base).tolist() == [True, True, True]
+        for col in range(width):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                x = base.clone()
+                x[1, col] = value
+                assert rows_finite(x).tolist() == torch.isfinite(x).all(1).tolist() == [True, False, True]
+    assert rows_finite(torch.zeros(4, 0)).tolist() == [True] * 4
+
+
+def test_all_finite_is_isfinite_of_every_tensor_whatever_the_dtypes() -> None:
+    tensors = [torch.randn(5, 3), torch.randn(4, dtype=torch.float64), torch.tensor(3), torch.zeros(0), torch.randn(())]
+    assert bool(all_finite(tensors)) and bool(all_finite(tensors[:1])) and bool(all_finite([]))
+    for i in (0, 1, 4):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            broken = [t.clone() for t in tensors]
+            broken[i].view(-1)[-1] = value
+            assert not bool(all_finite(broken))
+            assert not all(bool(torch.isfinite(t).all()) for t in broken)
+    assert all_finite(tensors).dim() == 0
+
+
+def test_a_param_backup_restores_exactly_what_it_saved() -> None:
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2).double())
+    net[0].bias.requires_grad_(False)
+    saved = {n: p.detach().clone() for n, p in net.named_parameters()}
+    backup = ParamBackup((n, p) for n, p in net.named_parameters() if p.requires_grad)
+    assert set(backup.tensors()) == {"0.weight", "1.weight", "1.bias"}
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    backup.restore(net)
+    for n, p in net.named_parameters():
+        want = saved[n] + 1.0 if n == "0.bias" else saved[n]  # the frozen one is not backed up
+        assert torch.equal(p.detach(), want), n
+
+
+def test_check_finite_restores_the_backup_and_stops_with_the_round(tmp_path: Path) -> None:
+    net = nn.Linear(2, 2)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    backup = ParamBackup(net.named_parameters())
+    saved: list[str] = []
+    trainer = SimpleNamespace(default_root_dir=str(tmp_path), save_checkpoint=saved.append)
+    check_finite(net, backup, trainer, 3)  # finite: nothing happens
+    with torch.no_grad():
+        net.bias[1] = float("nan")
+    from fl_lightning.engine.aggregation import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged, match="round 3: the global model became non-finite"):
+        check_finite(net, backup, trainer, 3)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in net.named_parameters())  # restored, then saved
+    assert saved == [str(tmp_path / "checkpoints" / "last_good_round00003.ckpt")]
+
+
+def test_client_losses_are_as_tensors_would_make_them_then_float64() -> None:
+    cpu = torch.device("cpu")
+    floats = [0.1, 0.25, 1e-8]
+    assert client_losses(floats, cpu).tolist() == [torch.as_tensor(v).double().item() for v in floats]
+    tensors = [torch.tensor(0.1), torch.tensor([0.3]), torch.tensor(2.5)]
+    assert client_losses(tensors, cpu).tolist() == [t.reshape(()).double().item() for t in tensors]
+    mixed = [1, 0.5, torch.tensor(0.2, dtype=torch.float64)]
+    assert client_losses(mixed, cpu).tolist() == [torch.as_tensor(v).reshape(()).double().item() for v in mixed]
+    assert client_losses(floats, cpu).dtype == torch.float64
+
+
+class OnlyReduceCopy:
+    """A one-process strategy whose reduction returns a copy (as a real all-reduce's result is a new buffer)."""
+
+    def reduce(self, tensor: Tensor, reduce_op: Any = "mean") -> Tensor:
+        return tensor.clone()
+
+
+def test_the_mean_of_the_reduced_buffer_is_each_sum_divided_by_the_weight() -> None:
+    g = torch.Generator().manual_seed(0)
+    template = {"a": torch.zeros(3, 2), "b": torch.zeros(()), "c": torch.zeros(5)}
+    sums = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) * 1e3 for n, t in template.items()}
+    reduced = CohortSums(dict(sums), {}, [], RoundStats(weight=7.0)).all_reduce(OnlyReduceCopy(), torch.device("cpu"))
+    assert reduced.flat_sums is not None and reduced.flat_names == ("a", "b", "c")
+    mean = reduced.mean_update(template)
+    for n, t in template.items():
+        want = sums[n].to(torch.float32) / torch.tensor(7.0, dtype=torch.float64)  # a 0-d one promotes to float64
+        assert mean[n].dtype == want.dtype and mean[n].shape == t.shape and torch.equal(mean[n], want), n
+    assert mean["a"].dtype == torch.float32 and mean["b"].dtype == torch.float64
+    reduced.delta_sums.pop("b")  # names no longer those of the buffer (DP pops its count): tensor by tensor
+    assert set(reduced.mean_update(template)) == {"a", "c"}
+    mixed = {"a": torch.zeros(3, 2), "b": torch.zeros((), dtype=torch.long), "c": torch.zeros(5)}
+    again = CohortSums(dict(sums), {}, [], RoundStats(weight=7.0)).all_reduce(OnlyReduceCopy(), torch.device("cpu"))
+    mean = again.mean_update(mixed)
+    assert mean["b"].dtype == torch.float64 and mean["b"].item() == sums["b"].item() / 7.0
+
+
+def test_the_ledger_refuses_a_name_every_time_it_is_uploaded() -> None:
+    ledger = CommunicationLedger((), ("v.",), (), ["w"])
+    ledger.upload(0, 1, {"w": torch.zeros(2)})
+    for _ in range(2):  # the names' kinds are matched once; the refusal stands
+        with pytest.raises(PrivacyViolation, match="client 3 tried to upload 'v.x'"):
+            ledger.upload(0, 3, {"w": torch.zeros(2), "v.x": torch.zeros(1)})
+    assert ledger.upload_bytes == 8 and ledger.history[-1].uploads == 1
 
 
 # ---- the communication ledger ----------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
+from torch import nn
 
 from datamodules import DigitsDataModule, Shards
-from fl_lightning.algorithms import FedAvg
+from fl_lightning.algorithms import FedAvg, FedRep
 from fl_lightning.engine import lightning_logging
 from fl_lightning.engine.lightning_logging import skip_idle_moves
 from fl_lightning.engine.module import FederatedModule
@@ -139,7 +140,11 @@ def _fit_csv(fast: bool, root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[s
     from lightning.pytorch.loggers import CSVLogger
 
     if not fast:
-        lightnings = lambda self, m, prog_bar=False: self.log_dict(m, prog_bar=prog_bar)  # noqa: E731
+
+        def lightnings(self: FederatedModule, m: dict, prog_bar: bool | set = False) -> None:  # self.log per key
+            for k, v in m.items():
+                self.log(k, v, prog_bar=prog_bar if isinstance(prog_bar, bool) else k in prog_bar)
+
         monkeypatch.setattr(FederatedModule, "log_scalars", lightnings)
     L.seed_everything(0, verbose=False)
     dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
@@ -147,6 +152,7 @@ def _fit_csv(fast: bool, root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[s
     trainer = make_trainer(3, logger=CSVLogger(str(root), name="", version=""), log_every_n_steps=1)
     trainer.fit(module, datamodule=dm)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    logged |= {f"progress bar: {k}": float(v) for k, v in trainer.progress_bar_metrics.items()}
     fitted = (root / "metrics.csv").read_text()
     trainer.test(module, datamodule=dm, verbose=False)
     monkeypatch.undo()
@@ -163,7 +169,50 @@ def test_log_scalars_writes_the_same_metrics_csv_and_callback_metrics_as_log_dic
     assert {"train/loss", "faults/dropped", "val/acc_mean", "round", "step", "epoch"} <= set(header)
     assert "test/acc_mean" in csv and len(csv.splitlines()) > 6  # training and validation rows, the test row
     assert fast_logged == logged and {"train/loss", "val/acc_mean", "faults/stragglers"} <= set(logged)
+    assert "progress bar: val/acc_mean" in logged and "progress bar: round" not in logged
     assert fast_history == history and len(history) == 3
+
+
+def test_log_scalars_registers_a_key_through_lightning_once_then_updates_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ``_ResultCollection.log`` sees each (hook, key) once, at its first round; later rounds update the
+    metric it registered (and the CSV test above shows the same values reach the same places)."""
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    seen: list[tuple[str, str]] = []
+    original = _ResultCollection.log
+
+    def log(self, fx, name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((fx, name))
+        return original(self, fx, name, *args, **kwargs)
+
+    monkeypatch.setattr(_ResultCollection, "log", log)
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    make_trainer(4).fit(module, datamodule=dm)
+    assert ("training_step", "train/loss") in seen and ("on_validation_epoch_end", "val/acc_mean") in seen
+    assert len(seen) == len(set(seen))
+
+
+def test_a_key_logged_again_with_other_arguments_is_refused_as_lightning_refuses_it() -> None:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    L.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    calls: list[int] = []
+
+    def log_twice(metrics: dict, prog_bar: bool = False) -> None:
+        lightning_logging.log_scalars(module, metrics, prog_bar)
+        if len(calls) == 0 and "train/loss" in metrics:
+            calls.append(1)
+            lightning_logging.log_scalars(module, {"train/loss": 1.0}, prog_bar=True)  # registered without
+
+    module.log_scalars = log_twice
+    with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
+        make_trainer(2).fit(module, datamodule=dm)
 
 
 class _LogsOutsideATrainer(torch.nn.Module):
@@ -181,6 +230,9 @@ def test_log_scalars_hands_anything_else_to_log_dict() -> None:
     module = _LogsOutsideATrainer()
     lightning_logging.log_scalars(module, {"a": 1.0, "b": torch.tensor(2.0)}, prog_bar=True)
     assert module.calls == [({"a": 1.0, "b": torch.tensor(2.0)}, True)]
+    module.calls.clear()  # keys named for the progress bar: log_dict key by key, in order, each with its own
+    lightning_logging.log_scalars(module, {"a": 1.0, "r": 3.0, "b": 2.0}, prog_bar={"a", "b"})
+    assert module.calls == [({"a": 1.0}, True), ({"r": 3.0}, False), ({"b": 2.0}, True)]
 
 
 # ---- cached signature reads ------------------------------------------------------------------------------------
@@ -215,3 +267,68 @@ def test_install_caches_the_signature_reads_of_lightnings_per_batch_readers() ->
     assert lightning_logging.install()
     for name in lightning_logging.SIGNATURE_READERS:
         assert hasattr(importlib.import_module(name).is_param_in_hook_signature, "lightning_read"), name
+
+
+# ---- LeanHooks: Lightning's per-batch plumbing ---------------------------------------------------------------
+def test_setting_attributes_registers_parameters_modules_and_buffers_as_nn_module_does() -> None:
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    module._current_fx_name = "training_step"  # a plain attribute: set directly
+    module.rounds_trained = 3
+    assert module._current_fx_name == "training_step" and module.__dict__["rounds_trained"] == 3
+    module.extra = nn.Linear(2, 2)  # new names go through nn.Module
+    module.scale = nn.Parameter(torch.ones(1))
+    module.register_buffer("marker", torch.zeros(1))
+    module.marker = torch.ones(1)
+    assert "extra" in module._modules and "scale" in module._parameters and module._buffers["marker"].item() == 1.0
+    module.summary = nn.Linear(1, 1)  # an existing plain attribute set to a module is registered and leaves __dict__
+    assert "summary" in module._modules and "summary" not in module.__dict__
+    module.history = torch.zeros(2)  # a tensor for a plain attribute: nn.Module's path (a plain attribute again)
+    assert module.__dict__["history"].shape == (2,)
+    module.automatic_optimization = True  # a property still goes through its setter
+    assert module.automatic_optimization is True
+
+
+def test_a_cpu_round_or_chunk_of_clients_is_handed_over_as_it_is() -> None:
+    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
+    cpu = torch.device("cpu")
+    batch = {"round": torch.tensor(3), "clients": torch.tensor([1, 4])}
+    assert module.transfer_batch_to_device(batch, cpu, 0) is batch
+    chunk = [0, 2, 5]
+    assert module.transfer_batch_to_device(chunk, cpu, 0) is chunk
+    other = (torch.zeros(2), [torch.ones(1)])  # anything else: Lightning's move (the same tensors on the CPU)
+    moved = module.transfer_batch_to_device(other, cpu, 0)
+    assert moved is not other and moved[0] is other[0] and moved[1][0] is other[1][0]
+    meta = module.transfer_batch_to_device(batch, torch.device("meta"), 0)  # another device: moved
+    assert meta["round"].device.type == "meta" and meta["clients"].device.type == "meta"
+    assert module.transfer_batch_to_device([1.0, 2.0], cpu, 0) == [1.0, 2.0]
+
+
+def test_validation_scores_and_modes_are_those_of_lightnings_eval_and_train_around_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With Lightning's own hooks (eval() of every submodule before each validation, the modes restored after)
+    a fit records the same history, and the network is in train mode after each validation either way."""
+
+    def run(lightning_hooks: bool) -> tuple[list[dict], list[bool]]:
+        if lightning_hooks:
+            for hook in ("on_validation_model_eval", "on_validation_model_train"):
+                monkeypatch.setattr(FederatedModule, hook, getattr(L.LightningModule, hook))
+        L.seed_everything(0, verbose=False)
+        dm = DigitsDataModule(num_clients=5, partition=Shards(2), clients_per_round=2, seed=0)
+        module = FederatedModule(FedRep(head_epochs=1, body_epochs=1), DigitsMLP(hidden=(8,)))
+        modes: list[bool] = []
+        original = module.on_validation_end
+
+        def record() -> None:
+            original()
+            modes.append(module.net.training)
+
+        module.on_validation_end = record
+        make_trainer(3).fit(module, datamodule=dm)
+        monkeypatch.undo()
+        return module.history, modes + [module.net.training]
+
+    ours, modes = run(False)
+    theirs, _ = run(True)
+    assert ours == theirs and len(ours) == 3
+    assert all(modes) and len(modes) == 4  # after each of the 3 validations and at the end

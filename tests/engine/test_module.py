@@ -561,8 +561,8 @@ def validating(fn: TrainerFn, sanity: bool = False, **kwargs: Any) -> tuple[Fede
     log_dict, log = Recorder(), Recorder()
     module.log_dict, module.log = log_dict, log  # Lightning's own calls: none expected
 
-    def log_scalars(metrics: dict, prog_bar: bool = False) -> None:  # the module's one call per metric group
-        (log_dict if prog_bar else log)(metrics, prog_bar=prog_bar)
+    def log_scalars(metrics: dict, prog_bar: Any = False) -> None:  # the module's one logging call
+        log_dict(metrics, prog_bar=prog_bar)
 
     module.log_scalars = log_scalars
     return module, log_dict, log
@@ -572,24 +572,24 @@ def test_validation_epoch_end_logs_the_evaluation_on_the_progress_bar_with_its_r
     module, log_dict, log = validating(TrainerFn.FITTING, eval_last=2)
     module.history = [{"round": 2.0, "val/acc_mean": 0.25}, {"round": 3.0, "val/acc_mean": 0.75}]
     module.on_validation_epoch_end()
-    assert len(log_dict.calls) == 1
+    assert len(log_dict.calls) == 1 and log.calls == []
     (metrics,), kwargs = log_dict.calls[0]
-    assert kwargs == {"prog_bar": True}
+    assert kwargs == {"prog_bar": set(metrics) - {"round"}}  # every metric on the progress bar but its round
     assert_close_finite(metrics["val/acc_mean"], 0.5)
     assert_close_finite(metrics["val/acc_last10"], (0.75 + 0.5) / 2)  # this one and the one before
     assert_close_finite(metrics["val/loss"], np.mean([0.5 / 2, 1.0 / 2, 1.5 / 2, 2.0 / 2]))
-    assert log.calls == [(({"round": 4.0},), {"prog_bar": False})]
+    assert metrics["round"] == 4.0 and list(metrics)[-1] == "round"
     assert module.history[-1]["round"] == 4 and len(module.history) == 3
 
 
 def test_validation_epoch_end_outside_fit_has_no_last10_and_keeps_history() -> None:
     module, log_dict, log = validating(TrainerFn.VALIDATING)
     module.on_validation_epoch_end()
-    (metrics,), kwargs = log_dict.calls[0]
-    assert kwargs == {"prog_bar": True}
+    ((metrics,), kwargs), = log_dict.calls
+    assert kwargs == {"prog_bar": set(metrics) - {"round"}} and "val/acc_mean" in kwargs["prog_bar"]
     assert "val/acc_last10" not in metrics
     assert module.history == []
-    assert log.calls == [(({"round": 4.0},), {"prog_bar": False})]
+    assert metrics["round"] == 4.0 and log.calls == []
 
 
 def test_validation_epoch_end_during_the_sanity_check_logs_nothing() -> None:
@@ -1377,3 +1377,19 @@ def test_a_batchnorm_network_trains_stacked_without_a_warning(caplog: pytest.Log
     with caplog.at_level(logging.WARNING, logger="fl_lightning"):
         assert decide(module, 2).stacked is True
     assert _warnings(caplog) == []
+
+
+def test_validation_start_moves_data_once_and_again_when_the_data_or_the_dtype_change() -> None:
+    module = FederatedModule(FedAvg(1), nn.Linear(64, 10))
+    module.fed = digits_fed_2(val=True)
+    module.on_validation_start()
+    moved = module.fed
+    module.on_validation_start()  # already there: the same data, not an equal copy
+    assert module.fed is moved and moved.train.x.dtype == torch.float32
+    module.net.double()  # the network's dtype changed: the data follows
+    module.on_validation_start()
+    assert module.fed is not moved and module.fed.train.x.dtype == torch.float64
+    fresh = digits_fed_2(val=True)
+    module.fed = fresh  # new data (attach_data): moved
+    module.on_validation_start()
+    assert module.fed is not fresh and module.fed.train.x.dtype == torch.float64
