@@ -207,7 +207,8 @@ def module_reads_dataloader_iter(module: LightningModule) -> bool:
 
 class LeanHooks:
     """Lightning's per-batch plumbing where a federated module's batches and evaluation leave it idle (mixed into
-    ``FederatedModule`` before ``LightningModule``)."""
+    ``FederatedModule`` before ``LightningModule``). ``transfer_batch_to_device`` is not among them: overriding it
+    makes Lightning warn on every fit with a DataModule, which a few microseconds a round do not justify."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
@@ -217,16 +218,6 @@ class LeanHooks:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """On the CPU a round (``{"round", "clients"}`` tensors) or a chunk of client ids (host ints) is where it
-        has to be: returned as it is (Lightning's move would return the same tensors and ints); elsewhere moved."""
-        if device.type == "cpu" and (
-            (isinstance(batch, dict) and all(isinstance(v, Tensor) and v.device.type == "cpu" for v in batch.values()))
-            or (isinstance(batch, list) and all(type(c) is int for c in batch))
-        ):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     def on_validation_model_eval(self) -> None:
         """Nothing: every evaluation path puts the network in eval mode itself and restores its mode

@@ -288,21 +288,6 @@ def test_setting_attributes_registers_parameters_modules_and_buffers_as_nn_modul
     assert module.automatic_optimization is True
 
 
-def test_a_cpu_round_or_chunk_of_clients_is_handed_over_as_it_is() -> None:
-    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
-    cpu = torch.device("cpu")
-    batch = {"round": torch.tensor(3), "clients": torch.tensor([1, 4])}
-    assert module.transfer_batch_to_device(batch, cpu, 0) is batch
-    chunk = [0, 2, 5]
-    assert module.transfer_batch_to_device(chunk, cpu, 0) is chunk
-    other = (torch.zeros(2), [torch.ones(1)])  # anything else: Lightning's move (the same tensors on the CPU)
-    moved = module.transfer_batch_to_device(other, cpu, 0)
-    assert moved is not other and moved[0] is other[0] and moved[1][0] is other[1][0]
-    meta = module.transfer_batch_to_device(batch, torch.device("meta"), 0)  # another device: moved
-    assert meta["round"].device.type == "meta" and meta["clients"].device.type == "meta"
-    assert module.transfer_batch_to_device([1.0, 2.0], cpu, 0) == [1.0, 2.0]
-
-
 def test_validation_scores_and_modes_are_those_of_lightnings_eval_and_train_around_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
