@@ -208,7 +208,7 @@ def module_reads_dataloader_iter(module: LightningModule) -> bool:
 class LeanHooks:
     """Lightning's per-batch plumbing where a federated module's batches and evaluation leave it idle (mixed into
     ``FederatedModule`` before ``LightningModule``). ``transfer_batch_to_device`` is not among them: overriding it
-    makes Lightning warn on every fit with a DataModule, which a few microseconds a round do not justify."""
+    makes Lightning warn on every fit with a DataModule, which its small per-round saving does not justify."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
