@@ -182,6 +182,11 @@ def test_auto_rule_picks_the_loop_for_a_lone_tiny_client_and_stacks_a_large_coho
     assert decision.reason == "1 client at a time on the cpu: the loop is faster below 2"
 
 
+def test_fedrep_declares_its_head_phase_only_when_it_trains_the_head() -> None:
+    assert FedRep().head_only_phase and not FedRep(head_epochs=0).head_only_phase
+    assert not FedRep(personal=("body.",)).head_only_phase and not Algorithm.head_only_phase
+
+
 def test_local_training_rate_is_the_methods_own_coin() -> None:
     assert FedAvg(1).local_training_rate == 1.0 and Algorithm.local_training_rate == 1.0
     assert L2GD(p=0.9).local_training_rate == pytest.approx(0.1) and L2GD(p=0.25).local_training_rate == 0.75
@@ -605,3 +610,46 @@ def test_run_clients_passes_kept_state_through_the_stacked_context() -> None:
     """The stacked case of ``tests/engine/test_module.py``'s kept-state test, as a test of its own (``make
     mutation`` runs the fastest case of a parametrized test only)."""
     module_tests.test_kept_optimizer_state_goes_in_through_the_context_and_comes_back_in_the_state("vectorized")
+
+
+# ---- the head-only phase a method declares (auto_rule reads it up front) -----------------------------------------
+def _head_only_phases(name: str) -> bool:
+    """Whether the algorithm's ``client_update`` (its defaults) ran a phase that trains only ``head.`` parameters with
+    a plain ``sgd`` (no gradient, no objective), the phase ``VectorizedContext.sgd`` trains on cached features: the
+    first round in which 2 TinyDigits clients train on the loop, every ``sgd`` call recorded."""
+    from fl_lightning.engine.sequential import ClientContext
+
+    seen: list[bool] = []
+    original = ClientContext.sgd
+
+    def recording(self: ClientContext, params: Any, trainable: Any, epochs: int, *args: Any, **kwargs: Any) -> Any:
+        names = list(trainable)
+        plain = kwargs.get("gradient") is None and kwargs.get("objective") is None
+        seen.append(bool(names) and epochs > 0 and plain and all(n.startswith("head.") for n in names))
+        return original(self, params, trainable, epochs, *args, **kwargs)
+
+    cls = getattr(algorithms, name)
+    fed = TinyDigits().build()
+    for net in (DigitsMLP(hidden=(16,)), DigitsCNN(batchnorm=True)):  # FedBN needs BatchNorm
+        module = FederatedModule(cls(), net, executor="sequential",
+                                 aggregation="uniform" if cls.needs_uniform_aggregation else "num_samples")  # fmt: skip
+        try:
+            module.attach_data(fed)
+        except ConfigError:
+            continue
+        glob = module.global_params()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ClientContext, "sgd", recording)
+            for r in range(50):  # until the clients train (L2GD's clients train in 1 − p of rounds)
+                module.run_clients([0, 1], r, glob, [module.bank.get(c) for c in (0, 1)], [1.0, 1.0])
+                if seen:
+                    break
+        assert seen, name  # every vectorizable method trains with sgd
+        return any(seen)
+    raise AssertionError(f"{name} ran on no test network")
+
+
+@pytest.mark.parametrize("name", _vectorizable())
+def test_head_only_phase_is_declared_by_the_methods_that_run_one(name: str) -> None:
+    """``Algorithm.head_only_phase`` (``auto_rule`` reads it up front) against the phases ``client_update`` runs."""
+    assert getattr(algorithms, name)().head_only_phase is _head_only_phases(name)
