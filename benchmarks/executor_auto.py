@@ -1,5 +1,5 @@
 """The measurement behind ``model.executor: auto``'s rule (``fl_lightning.engine.executor.auto_rule``:
-``MIN_STACKED_CLIENTS``, and with ``--l2gd`` ``MIN_TRAINING_RATE``).
+``MIN_STACKED_CLIENTS``; with ``--l2gd`` ``MIN_TRAINING_RATE``; with ``--conv`` ``MIN_CONV_MINIBATCHES``).
 
 CPU seconds (``time.process_time``) per round of client work (``FederatedModule.run_clients``), the sequential
 loop and the stacked path taking turns round by round on the same cohorts, median over ``--rounds`` rounds after
@@ -13,12 +13,17 @@ data (10 clients × 40 images, all 10 per round, uniform aggregation), FedAvg an
 (clients train in a round with probability 1 − p; α scaled so that the mixing ηλ stays 0.25), the mean over
 ``--rounds`` rounds (a round trains or only mixes, by the method's coin).
 
+``--conv``: instead, the rule's minibatches per local epoch where convolutional clients run in turn on the stacked
+path (``stacked_paths.conv_in_turn``, the CPU): FedAvgCNN on CIFAR-shaped random data (20 clients, 10 per round,
+batch 10) with 10, 20, 30 and 40 images per client (1 to 4 minibatches), for ``--methods`` (default LocalOnly,
+LGFedAvg, FedDyn, SCAFFOLD, FedProto and FedRep 2+1), the median over ``--rounds`` rounds.
+
 ``--temporaries``: what a cohort-size temporary costs the stacked path (the cause of FedDyn's slower stacked round
 in ``make bench``'s quick ``methods_cnn`` table before its state update reused Δθ_i): CPU ms of ``a − b`` for
 FedAvgCNN's fc weight stacked over 10 clients ([10, 512, 1600], 33 MB) into a fresh tensor and into a preallocated
 one, and the same arithmetic as 10 client-size subtractions (the loop's).
 
-    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto [--l2gd | --temporaries]
+    OMP_NUM_THREADS=1 python -m benchmarks.executor_auto [--l2gd | --conv | --temporaries]
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--l2gd", action="store_true", help="the training-rate rows (MIN_TRAINING_RATE)")
+    parser.add_argument("--conv", action="store_true", help="the conv-in-turn rows (MIN_CONV_MINIBATCHES)")
+    parser.add_argument("--methods", nargs="+", default=list(CONV_METHODS), help="--conv: these methods")
+    parser.add_argument("--samples", nargs="+", type=int, default=[10, 20, 30, 40], help="--conv: images per client")
     parser.add_argument("--temporaries", action="store_true", help="a cohort-size temporary, fresh vs preallocated")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -100,6 +108,9 @@ def main() -> None:
         return
     if args.l2gd:
         training_rate(args.rounds)
+        return
+    if args.conv:
+        conv_minibatches(args.rounds, args.methods, args.samples)
         return
     quick, tiny = digits(), synthetic(20, 10)
     rows = [
@@ -140,6 +151,41 @@ def temporaries(shape: tuple[int, ...] = (10, 512, 1600), repeats: int = 20) -> 
         "preallocated": mean_time(lambda: torch.sub(a, b, out=out)),
         "per client": mean_time(lambda: [r - b[0] for r in rows]),
     }
+
+
+#: ``--conv``'s default methods (FedRep with 2 head epochs: its head phase trains on cached features)
+CONV_METHODS: dict[str, Callable[[], Algorithm]] = {
+    "LocalOnly": lambda: _algorithm("LocalOnly"),
+    "LGFedAvg": lambda: _algorithm("LGFedAvg"),
+    "FedDyn": lambda: _algorithm("FedDyn"),
+    "SCAFFOLD": lambda: _algorithm("SCAFFOLD"),
+    "FedProto": lambda: _algorithm("FedProto"),
+    "FedRep": lambda: FedRep(2, 1),
+}
+
+
+def _algorithm(name: str) -> Algorithm:
+    import fl_lightning.algorithms as algorithms
+
+    return getattr(algorithms, name)()
+
+
+def conv_minibatches(rounds: int, methods: list[str], samples: list[int]) -> None:
+    """The ``--conv`` rows: sequential / stacked against the clients' minibatches per local epoch (batch 10)."""
+    from fl_lightning.engine.executor import minibatches_per_epoch
+    from fl_lightning.models import FedAvgCNN
+
+    print(f"{'method (FedAvgCNN, 10 of 20 clients)':38s} {'batches':>7s} {'seq ms':>8s} {'stacked ms':>10s} "
+          f"{'ratio':>6s}")  # fmt: skip
+    for n in samples:
+        fed = synthetic(20, n, shape=(3, 32, 32))
+        for name in methods:
+            make = CONV_METHODS.get(name) or (lambda name=name: _algorithm(name))
+            aggregation = "uniform" if make().needs_uniform_aggregation else "num_samples"  # FedDyn's exact mean
+            t = measure(fed, make, 10, rounds, FedAvgCNN, aggregation=aggregation)
+            batches = minibatches_per_epoch(fed.train.offsets, 10)  # what auto_rule reads
+            print(f"{name:38s} {batches:7.3g} {1e3 * t['sequential']:8.1f} {1e3 * t['vectorized']:10.1f} "
+                  f"{t['sequential'] / t['vectorized']:6.2f}", flush=True)  # fmt: skip
 
 
 def training_rate(rounds: int) -> None:

@@ -95,6 +95,11 @@ class Algorithm(nn.Module):
     #: clients train in a round with probability 1 − p, and only mix their models otherwise). ``model.executor:
     #: auto`` reads it (``executor.auto_rule``).
     local_training_rate: float = 1.0
+    #: True when ``client_update`` has a phase that trains only the ``head.`` parameters with a plain ``ctx.sgd`` (no
+    #: ``gradient``, no ``objective``), as FedRep's head epochs do: the stacked path trains such a phase on the frozen
+    #: body's features computed once (``VectorizedContext.sgd``'s ``head_only``), which wins even where the
+    #: network's other phases run their clients in turn. ``model.executor: auto`` reads it (``executor.auto_rule``).
+    head_only_phase: bool = False
 
     def __init__(self, personal: Sequence[str] | None = None) -> None:
         super().__init__()

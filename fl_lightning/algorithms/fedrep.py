@@ -22,6 +22,8 @@ class FedRep(Algorithm):
     def __init__(self, head_epochs: int = 10, body_epochs: int = 1, personal: Sequence[str] = ("head.",)) -> None:
         super().__init__(personal)
         self.head_epochs, self.body_epochs = head_epochs, body_epochs
+        # its head epochs train the personal parameters alone: a head-only phase where those are the head's
+        self.head_only_phase = head_epochs > 0 and all(p.startswith("head.") for p in self.personal)
 
     def client_update(self, ctx: Client, global_params: Params, state: Params) -> ClientUpdate:
         params = self.client_model(global_params, state)

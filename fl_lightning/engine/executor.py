@@ -7,9 +7,9 @@ once, with which client optimiser and augmentation), under ``model.executor``:
 * ``vectorized``: the stacked path (``fl_lightning.engine.stacked.VectorizedContext``, all clients at once, the
   loop's math) wherever it can run; where it cannot, the loop runs and a WARNING says why, once;
 * ``auto`` (the default): the stacked path where it can run and wins on the device (``auto_rule``:
-  ``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``), else the loop. Where the stacked path would only run its clients
-  in turn (a client optimiser without a batched form, recurrent layers, an augmentation that cannot draw ahead)
-  ``auto`` runs the loop.
+  ``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``, ``MIN_CONV_MINIBATCHES``), else the loop. Where the stacked path
+  would only run its clients in turn (a client optimiser without a batched form, recurrent layers, an augmentation
+  that cannot draw ahead) ``auto`` runs the loop.
 
 ``decide`` makes the run's decision once: the path, why, and its sub-paths: how the stacked path trains
 (``fl_lightning.engine.stacked_paths.StackedPaths``: ``fused relu mlp``, ``conv in turn``, …, which
@@ -43,7 +43,7 @@ from fl_lightning.engine.rounds import CLIENTS_PER_STEP, make_generator
 from fl_lightning.engine.sequential import ClientContext, draws_ahead, has_batchnorm
 from fl_lightning.engine.stacked import VectorizedContext
 from fl_lightning.engine.stacked_nets import has_rnn, per_sample_loss_for, stack, unstack
-from fl_lightning.engine.stacked_paths import StackedPaths, plan_stacked
+from fl_lightning.engine.stacked_paths import StackedPaths, caches_features, conv_in_turn, plan_stacked
 from fl_lightning.engine.state import split_state
 
 __all__ = [
@@ -86,6 +86,29 @@ MIN_STACKED_CLIENTS: dict[str, int] = {"cpu": 2}
 #: benchmarks.executor_auto --l2gd --rounds 10``. Other devices: stacked at any rate (an H200 ran L2GD's default
 #: 1.53× faster stacked, README).
 MIN_TRAINING_RATE: dict[str, float] = {"cpu": 0.75}
+#: ``auto`` on these devices runs the loop for a convolutional network whose clients the stacked path would train in
+#: turn (``stacked_paths.conv_in_turn``) when the run's clients take fewer than this many minibatches per local epoch
+#: on average (``Workload.minibatches``), unless a head-only phase of the algorithm trains on cached features
+#: (``Algorithm.head_only_phase``). On ``conv in turn`` the stacked path gains a little per step and pays per round
+#: for the cohort's stacked state. Measured on the 2-core development CPU with other jobs running (one thread; CPU
+#: time per round of the clients' work, both paths on the same cohorts; FedAvgCNN on CIFAR-shaped data, 20 clients,
+#: 10 per round, batch 10), sequential / stacked at 1, 2, 3 and 4 minibatches (10, 20, 30, 40 images per client):
+#: ``OMP_NUM_THREADS=1 python -m benchmarks.executor_auto --conv --rounds 8`` (median of 8 rounds; then of 10 with
+#: ``--rounds 10``): LocalOnly 0.78, 1.04, 1.04, 1.20 (0.79, 0.99, 1.07, 1.11); LGFedAvg 0.96, 1.05, 1.09, 1.21 (0.79,
+#: 1.02, 1.07, 1.25); FedDyn 0.83, 1.01, 1.02, 1.00 (0.94, 1.00, 1.00, 1.01); SCAFFOLD 1.00, 0.97, 1.01, 0.95 (0.86,
+#: 1.01, 1.04, 1.00); FedProto 0.86, 0.98, 1.17, 1.13 (0.83, 0.98, 1.04, 1.19); FedRep 2+1 1.79, 1.87, 1.89, 1.91
+#: (1.83, 1.86, 1.88, 1.90). ``make bench``'s methods_cnn, seq / auto before this rule (median of 10 rounds;
+#: ``OMP_NUM_THREADS=1 python -m benchmarks.bench --device cpu --quick --rounds 10 --workloads methods_cnn --methods
+#: LocalOnly LGFedAvg FedDyn SCAFFOLD FedProto --samples N``, N = 10 and 20 at 08ea949, 30 at 3f3323e): 1 minibatch
+#: FedAvg 1.02, LocalOnly 0.75, LGFedAvg 0.76, FedDyn 0.82, SCAFFOLD 0.87, FedProto 0.75, FedRep 4.22; 2 minibatches
+#: FedAvg 1.11, LocalOnly 0.92, LGFedAvg 0.96, FedDyn 0.98, SCAFFOLD 1.07, FedProto 1.13, FedRep 4.77; 3 minibatches
+#: FedAvg 1.11, LocalOnly 1.01, LGFedAvg 1.01, FedDyn 1.01, SCAFFOLD 0.99, FedProto 1.14; 4 (the table's quick size)
+#: every method faster or a tie. At 1 minibatch most methods are slower stacked in all three runs; at 2 the bench
+#: read LocalOnly and LGFedAvg slower (90 % bands 0.905-0.947 and 0.923-0.981) and executor_auto ties (0.97-1.05);
+#: from 3 on none is slower beyond the run-to-run spread of about 5 %. FedAvg at 2 minibatches (1.11 stacked) runs
+#: the loop too: the rule has no per-method exception but the cached head. Other devices: stacked (their
+#: convolutions are vmapped, not run in turn).
+MIN_CONV_MINIBATCHES: dict[str, float] = {"cpu": 3.0}
 
 
 class FederatedRun(Protocol):
@@ -112,6 +135,8 @@ class Workload:
     optimizer: ClientOptimizer | None = None
     evaluation: bool = False  #: scoring (and "+FT"): the algorithm's ``client_update`` does not run
     augment: Any = None  #: the training augmentation (``FederatedData.augment``)
+    #: the run's clients' mean number of minibatches per local epoch (``minibatches_per_epoch``; None: not known)
+    minibatches: float | None = None
 
 
 @dataclass(frozen=True)
@@ -204,18 +229,28 @@ def choose_path(
         return Decision("sequential", "the augmentation cannot draw ahead")
     kind, k = torch.device(device).type, workload.clients
     at_once = f"{k} client{'' if k == 1 else 's'} at a time on the {kind}"
-    slower = auto_rule(kind, k, None if workload.evaluation else algorithm)
+    slower = auto_rule(kind, k, None if workload.evaluation else algorithm, workload.minibatches, net)
     if slower is not None:
         return Decision("sequential", f"{at_once}: {slower}")
     what = "evaluation" if workload.evaluation else f"{type(algorithm).__name__} is vectorizable"
     return Decision("stacked", f"{what}, {at_once}{note}")
 
 
-def auto_rule(kind: str, clients: int, algorithm: Algorithm | None) -> str | None:
+def auto_rule(
+    kind: str,
+    clients: int,
+    algorithm: Algorithm | None,
+    minibatches: float | None = None,
+    net: nn.Module | None = None,
+) -> str | None:
     """``auto``'s measured rule on a device ``kind`` (where the stacked path can run and would not run its clients
-    in turn): why the loop is faster for ``clients`` at once of ``algorithm`` (None: evaluation, nothing trains),
-    or None where the stacked path is at least as fast (``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``: what was
-    measured, with the commands that re-measure it)."""
+    in turn for a reason): why the loop is faster for ``clients`` at once of ``algorithm`` (None: evaluation,
+    nothing trains), whose clients take ``minibatches`` per local epoch on average (None: not known), on ``net``, or
+    None where the stacked path is at least as fast (``MIN_STACKED_CLIENTS``, ``MIN_TRAINING_RATE``,
+    ``MIN_CONV_MINIBATCHES``: what was measured, with the commands that re-measure it). The minibatch floor applies
+    where ``net``'s convolutional phases run client by client on the device (``stacked_paths.conv_in_turn``) and no
+    head-only phase of the algorithm trains on cached features (``Algorithm.head_only_phase`` on a network whose
+    features are cached, ``stacked_paths.caches_features``)."""
     least = MIN_STACKED_CLIENTS.get(kind, 1)
     if clients < least:
         return f"the loop is faster below {least}"
@@ -224,7 +259,39 @@ def auto_rule(kind: str, clients: int, algorithm: Algorithm | None) -> str | Non
     if rate < floor:
         return (f"{type(algorithm).__name__}'s clients train in {rate:.0%} of rounds, and the loop is faster below "
                 f"{floor:.0%}")  # fmt: skip
+    fewest = MIN_CONV_MINIBATCHES.get(kind, 0.0)
+    if algorithm is None or net is None or minibatches is None or minibatches >= fewest:
+        return None
+    cached_head = algorithm.head_only_phase and caches_features(net, sides=False)
+    if conv_in_turn(net, torch.device(kind)) and not cached_head:
+        return (f"its clients take {minibatches:.3g} minibatches per epoch on average, and with conv in turn the "
+                f"loop is faster below {fewest:g}")  # fmt: skip
     return None
+
+
+def minibatches_per_epoch(offsets: Sequence[int], batch_size: int, drop_last: bool = False) -> float:
+    """The clients' mean number of minibatches of ``batch_size`` in one local epoch (``offsets``: their row offsets,
+    ``ClientSplit.offsets``): the partial last minibatch counts, unless ``drop_last`` drops it."""
+    sizes = [hi - lo for lo, hi in zip(offsets[:-1], offsets[1:])]
+    if not sizes:
+        return 0.0
+    whole = sum(n // batch_size if drop_last else -(-n // batch_size) for n in sizes)
+    return whole / len(sizes)
+
+
+#: each run's ``minibatches_per_epoch``, with the data and settings it was computed from (once per run)
+_MINIBATCHES: weakref.WeakKeyDictionary[Any, tuple[Any, int, bool, float]] = weakref.WeakKeyDictionary()
+
+
+def run_minibatches(module: FederatedRun, fed: FederatedData, optimizer: ClientOptimizer) -> float:
+    """``minibatches_per_epoch`` of the run's clients (``fed.train``) under its client batch size, computed once per
+    run (again only if the data or the batch settings change)."""
+    held = _MINIBATCHES.get(module)
+    if held is not None and held[0] is fed and held[1:3] == (optimizer.batch_size, optimizer.drop_last):
+        return held[3]
+    value = minibatches_per_epoch(fed.train.offsets, optimizer.batch_size, optimizer.drop_last)
+    _MINIBATCHES[module] = (fed, optimizer.batch_size, optimizer.drop_last, value)
+    return value
 
 
 def planned_clients(module: FederatedRun, clients: int) -> int:
@@ -250,7 +317,8 @@ def decide(module: FederatedRun, clients: int) -> Decision:
     fed = module.fed
     augment = None if fed is None else fed.augment
     optimizer = client_settings(module)
-    workload = Workload(planned_clients(module, clients), optimizer, augment=augment)
+    minibatches = None if fed is None else run_minibatches(module, fed, optimizer)
+    workload = Workload(planned_clients(module, clients), optimizer, augment=augment, minibatches=minibatches)
     decision = choose_path(module.algorithm, module.net, module.device, workload, module.executor)
     first = _DECIDED.get(module)
     if first is not None and first == decision:

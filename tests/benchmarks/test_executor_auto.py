@@ -35,3 +35,15 @@ def test_temporaries_times_the_three_ways_of_one_subtraction():
     spent = temporaries(shape=(3, 8, 16), repeats=2)
     assert set(spent) == {"fresh", "preallocated", "per client"}
     assert all(math.isfinite(t) and t >= 0 for t in spent.values())
+
+
+def test_conv_rows_time_both_paths_per_method_and_client_size(capsys):
+    """``--conv``: one row per (images per client, method) with its minibatches per epoch (batch 10) and ratio."""
+    from benchmarks.executor_auto import conv_minibatches
+
+    conv_minibatches(rounds=1, methods=["FedRep", "FedAvg"], samples=[10, 11])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("FedRep", "1"), ("FedAvg", "1"), ("FedRep", "2"), ("FedAvg", "2")]
+    for r in rows:
+        seq, stacked, ratio = (float(v) for v in r[2:])
+        assert seq > 0 and stacked > 0 and abs(ratio - seq / stacked) < 0.01 + 0.01 * ratio, r

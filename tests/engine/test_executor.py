@@ -32,11 +32,13 @@ from fl_lightning.engine import executor
 from fl_lightning.engine.client_data import FederatedData
 from fl_lightning.engine.evaluation import FineTune
 from fl_lightning.engine.executor import (
+    MIN_CONV_MINIBATCHES,
     MIN_STACKED_CLIENTS,
     MIN_TRAINING_RATE,
     Workload,
     auto_rule,
     choose_path,
+    minibatches_per_epoch,
     shared_body_applies,
 )
 from fl_lightning.engine.module import FederatedModule
@@ -71,6 +73,11 @@ ASKED_VECTORIZED = ("stacked", "model.executor: vectorized", False)
 FEDAVG_4 = ("stacked", "FedAvg is vectorizable, 4 clients at a time on the cpu", False)
 NOT_MARKED = "_Inherits is not marked vectorizable"
 HAS_BN = "the network has BatchNorm layers"
+CNN = DigitsCNN()
+TINY_CONV = (
+    "4 clients at a time on the cpu: its clients take 2 minibatches per epoch on average, and with conv in "
+    "turn the loop is faster below 3"
+)
 CASES = {
     "sequential asked": (FedAvg(1), MLP, CPU, Workload(4), "sequential", ASKED_SEQUENTIAL),
     "vectorized asked": (FedAvg(1), MLP, CPU, Workload(4), "vectorized", ASKED_VECTORIZED),
@@ -128,6 +135,31 @@ CASES = {
         FedAvg(1), MLP, "cuda", Workload(1), "auto",
         ("stacked", "FedAvg is vectorizable, 1 client at a time on the cuda", False),
     ),
+    # MIN_CONV_MINIBATCHES: on the cpu a CNN's clients run in turn on the stacked path; with few minibatches the loop
+    "auto, tiny conv clients on the cpu": (
+        FedAvg(1), CNN, CPU, Workload(4, minibatches=2.0), "auto", ("sequential", TINY_CONV, False)
+    ),
+    "auto, conv clients of 3 minibatches on the cpu": (FedAvg(1), CNN, CPU, Workload(4, minibatches=3.0), "auto",
+                                                       FEDAVG_4),
+    "auto, tiny conv clients, FedRep's head on cached features": (
+        FedRep(1, 1), CNN, CPU, Workload(4, minibatches=2.0), "auto",
+        ("stacked", "FedRep is vectorizable, 4 clients at a time on the cpu", False),
+    ),
+    "auto, tiny conv clients, FedRep on BatchNorm (no cached features)": (
+        FedRep(1, 1), DigitsCNN(batchnorm=True), CPU, Workload(4, minibatches=2.0), "auto",
+        ("sequential", TINY_CONV, False),
+    ),
+    "auto, tiny conv clients elsewhere": (
+        FedAvg(1), CNN, "cuda", Workload(4, minibatches=2.0), "auto",
+        ("stacked", "FedAvg is vectorizable, 4 clients at a time on the cuda", False),
+    ),
+    "vectorized, tiny conv clients": (FedAvg(1), CNN, CPU, Workload(4, minibatches=2.0), "vectorized",
+                                      ASKED_VECTORIZED),
+    "auto, tiny MLP clients": (FedAvg(1), MLP, CPU, Workload(4, minibatches=1.0), "auto", FEDAVG_4),
+    "evaluation, tiny conv clients": (
+        FedAvg(1), CNN, CPU, Workload(4, evaluation=True, minibatches=1.0), "auto",
+        ("stacked", "evaluation, 4 clients at a time on the cpu", False),
+    ),
     # evaluation (scoring and "+FT") never runs client_update: the algorithm's flag does not matter, BN does
     "evaluation, inherited flag": (
         _Inherits(1), MLP, CPU, Workload(4, evaluation=True), "auto",
@@ -180,6 +212,63 @@ def test_auto_rule_picks_the_loop_for_a_lone_tiny_client_and_stacks_a_large_coho
     assert auto_rule("cuda", 1, L2GD()) is None
     decision = choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(1))
     assert decision.reason == "1 client at a time on the cpu: the loop is faster below 2"
+
+
+def test_the_conv_minibatch_floor_is_the_measured_constant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``MIN_CONV_MINIBATCHES['cpu']`` minibatches per epoch a CNN's clients take the loop on the cpu; the rule
+    reads the table, and does not apply without the count, to an MLP, or to evaluation."""
+    fewest = MIN_CONV_MINIBATCHES["cpu"]
+    assert fewest == 3  # executor_auto --conv, seq / stacked: 1 and 2 minibatches below 1 for most methods
+    assert not choose_path(FedAvg(1), DigitsCNN(), CPU, Workload(10, minibatches=fewest - 0.5)).stacked
+    assert choose_path(FedAvg(1), DigitsCNN(), CPU, Workload(10, minibatches=fewest)).stacked
+    assert choose_path(FedAvg(1), DigitsCNN(), CPU, Workload(10)).stacked  # not known: the stacked path
+    monkeypatch.setitem(MIN_CONV_MINIBATCHES, "cpu", 5.0)
+    assert not choose_path(FedAvg(1), DigitsCNN(), CPU, Workload(10, minibatches=4.5)).stacked
+    assert choose_path(FedAvg(1), DigitsCNN(), CPU, Workload(10, minibatches=5.0)).stacked
+    assert choose_path(FedAvg(1), DigitsMLP(), CPU, Workload(10, minibatches=1.0)).stacked  # no conv in turn
+    assert auto_rule("cpu", 10, FedAvg(1), 4.5, DigitsCNN()) == (
+        "its clients take 4.5 minibatches per epoch on average, and with conv in turn the loop is faster below 5"
+    )
+    assert auto_rule("cpu", 10, None, 1.0, DigitsCNN()) is None  # evaluation: nothing trains
+    assert auto_rule("cuda", 10, FedAvg(1), 1.0, DigitsCNN()) is None  # convolutions vmapped there
+
+
+def test_minibatches_per_epoch_counts_each_clients_partial_batch_unless_dropped() -> None:
+    offsets = [0, 18, 23, 53, 53]  # clients of 18, 5, 30 and 0 samples
+    assert minibatches_per_epoch(offsets, 10) == pytest.approx((2 + 1 + 3 + 0) / 4)
+    assert minibatches_per_epoch(offsets, 10, drop_last=True) == pytest.approx((1 + 0 + 3 + 0) / 4)
+    assert minibatches_per_epoch(offsets, 4) == pytest.approx((5 + 2 + 8 + 0) / 4)
+    assert minibatches_per_epoch([0], 10) == 0.0
+
+
+def test_decide_counts_the_runs_minibatches_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TinyDigits' clients hold 18 training samples: 2 minibatches of 10, so a CNN run's FedAvg takes the loop on the
+    cpu, FedRep (head on cached features) the stacked path; the count is made once per run."""
+    counted = {"calls": 0}
+    original = executor.minibatches_per_epoch
+
+    def counting(*args: Any, **kwargs: Any) -> float:
+        counted["calls"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "minibatches_per_epoch", counting)
+    dm = TinyDigits()
+    dm.setup()  # carves the validation quarter: 18 training samples per client
+    module = FederatedModule(FedAvg(1), DigitsCNN())
+    module.attach_data(dm.federated)
+    module._trainer = SimpleNamespace(datamodule=dm, world_size=1)
+    decisions = [executor.decide(module, PER_ROUND) for _ in range(3)]
+    assert counted["calls"] == 1
+    assert decisions[0].path == "sequential" and "take 2 minibatches per epoch" in decisions[0].reason
+    rep = FederatedModule(FedRep(1, 1), DigitsCNN())
+    rep.attach_data(dm.federated)
+    rep._trainer = SimpleNamespace(datamodule=dm, world_size=1)
+    assert executor.decide(rep, PER_ROUND).path == "stacked"
+
+
+def test_fedrep_declares_its_head_phase_only_when_it_trains_the_head() -> None:
+    assert FedRep().head_only_phase and not FedRep(head_epochs=0).head_only_phase
+    assert not FedRep(personal=("body.",)).head_only_phase and not Algorithm.head_only_phase
 
 
 def test_local_training_rate_is_the_methods_own_coin() -> None:
@@ -340,9 +429,9 @@ def _auto_equals_sequential(name: str, network: str, caplog: pytest.LogCaptureFi
         auto = _fit(name, network, "auto", accelerator)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("executor: ")]
     assert len(said) == 1, said
-    if accelerator == "cpu" and "clients train in" in said[0]:  # auto_rule's training rate (L2GD): the loop on the
-        assert said[0].startswith("executor: sequential ("), said  # cpu, so the stacked path is compared directly
-        auto = _fit(name, network, "vectorized", accelerator)
+    if accelerator == "cpu" and "the loop is faster" in said[0]:  # auto_rule (L2GD's training rate, a CNN's 2
+        assert said[0].startswith("executor: sequential ("), said  # minibatches): the loop, so compare the stacked
+        auto = _fit(name, network, "vectorized", accelerator)  # path directly
     else:
         assert said[0].startswith("executor: stacked ("), said  # BatchNorm networks too (per-client statistics)
     seq, fast = reference["module"], auto["module"]
@@ -605,3 +694,46 @@ def test_run_clients_passes_kept_state_through_the_stacked_context() -> None:
     """The stacked case of ``tests/engine/test_module.py``'s kept-state test, as a test of its own (``make
     mutation`` runs the fastest case of a parametrized test only)."""
     module_tests.test_kept_optimizer_state_goes_in_through_the_context_and_comes_back_in_the_state("vectorized")
+
+
+# ---- the head-only phase a method declares (auto_rule reads it up front) -----------------------------------------
+def _head_only_phases(name: str) -> bool:
+    """Whether the algorithm's ``client_update`` (its defaults) ran a phase that trains only ``head.`` parameters with
+    a plain ``sgd`` (no gradient, no objective), the phase ``VectorizedContext.sgd`` trains on cached features: the
+    first round in which 2 TinyDigits clients train on the loop, every ``sgd`` call recorded."""
+    from fl_lightning.engine.sequential import ClientContext
+
+    seen: list[bool] = []
+    original = ClientContext.sgd
+
+    def recording(self: ClientContext, params: Any, trainable: Any, epochs: int, *args: Any, **kwargs: Any) -> Any:
+        names = list(trainable)
+        plain = kwargs.get("gradient") is None and kwargs.get("objective") is None
+        seen.append(bool(names) and epochs > 0 and plain and all(n.startswith("head.") for n in names))
+        return original(self, params, trainable, epochs, *args, **kwargs)
+
+    cls = getattr(algorithms, name)
+    fed = TinyDigits().build()
+    for net in (DigitsMLP(hidden=(16,)), DigitsCNN(batchnorm=True)):  # FedBN needs BatchNorm
+        module = FederatedModule(cls(), net, executor="sequential",
+                                 aggregation="uniform" if cls.needs_uniform_aggregation else "num_samples")  # fmt: skip
+        try:
+            module.attach_data(fed)
+        except ConfigError:
+            continue
+        glob = module.global_params()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ClientContext, "sgd", recording)
+            for r in range(50):  # until the clients train (L2GD's clients train in 1 − p of rounds)
+                module.run_clients([0, 1], r, glob, [module.bank.get(c) for c in (0, 1)], [1.0, 1.0])
+                if seen:
+                    break
+        assert seen, name  # every vectorizable method trains with sgd
+        return any(seen)
+    raise AssertionError(f"{name} ran on no test network")
+
+
+@pytest.mark.parametrize("name", _vectorizable())
+def test_head_only_phase_is_declared_by_the_methods_that_run_one(name: str) -> None:
+    """``Algorithm.head_only_phase`` (``auto_rule`` reads it up front) against the phases ``client_update`` runs."""
+    assert getattr(algorithms, name)().head_only_phase is _head_only_phases(name)
