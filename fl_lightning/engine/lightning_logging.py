@@ -23,9 +23,8 @@ A key a round logs again with the same arguments (hook, progress bar, levels, re
 metric: ``update_logged`` does what that call then does (the move when one is needed, the batch size, the metric's
 update). A key logged with other arguments still goes to Lightning, which refuses it as ``self.log`` does.
 
-``LeanHooks`` (mixed into ``FederatedModule``) skips per-batch work the module's batches and evaluation leave idle:
-``nn.Module``'s registration checks when Lightning sets a plain attribute, the device move of a CPU round or chunk
-of client ids, and the ``eval()``/``train()`` walk around each validation (evaluation sets the network's mode).
+``LeanHooks`` (mixed into ``FederatedModule``) skips per-batch work the module's evaluation leaves idle: the
+``eval()``/``train()`` walk around each validation (evaluation sets the network's mode).
 
 ``install()`` wraps ``_ResultMetric.to``: when the move names one device and every tensor the metric holds is on
 it, the metric is returned as it is (the move would have produced the same tensors); otherwise Lightning's own
@@ -208,16 +207,9 @@ def module_reads_dataloader_iter(module: LightningModule) -> bool:
 class LeanHooks:
     """Lightning's per-batch plumbing where a federated module's batches and evaluation leave it idle (mixed into
     ``FederatedModule`` before ``LightningModule``). ``transfer_batch_to_device`` is not among them: overriding it
-    makes Lightning warn on every fit with a DataModule, which its small per-round saving does not justify."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """An attribute already in ``__dict__`` set to anything but a tensor or a module is set directly (Lightning
-        sets ``_current_fx_name`` twice per hook call): ``nn.Module.__setattr__`` would only find that it is no
-        parameter, buffer or submodule (a name in ``__dict__`` is none of them) and end the same way."""
-        if name in self.__dict__ and not isinstance(value, (Tensor, torch.nn.Module)):
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
+    makes Lightning warn on every fit with a DataModule, which its small per-round saving does not justify; nor is
+    ``__setattr__`` (a plain attribute set without ``nn.Module``'s checks saved about 1 µs a set, and put this file
+    into every round: ``tools/round_files.py``)."""
 
     def on_validation_model_eval(self) -> None:
         """Nothing: every evaluation path puts the network in eval mode itself and restores its mode

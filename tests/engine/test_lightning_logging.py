@@ -9,7 +9,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric
-from torch import nn
 
 from datamodules import DigitsDataModule, Shards
 from fl_lightning.algorithms import FedAvg, FedRep
@@ -270,24 +269,6 @@ def test_install_caches_the_signature_reads_of_lightnings_per_batch_readers() ->
 
 
 # ---- LeanHooks: Lightning's per-batch plumbing ---------------------------------------------------------------
-def test_setting_attributes_registers_parameters_modules_and_buffers_as_nn_module_does() -> None:
-    module = FederatedModule(FedAvg(1), DigitsMLP(hidden=(8,)))
-    module._current_fx_name = "training_step"  # a plain attribute: set directly
-    module.rounds_trained = 3
-    assert module._current_fx_name == "training_step" and module.__dict__["rounds_trained"] == 3
-    module.extra = nn.Linear(2, 2)  # new names go through nn.Module
-    module.scale = nn.Parameter(torch.ones(1))
-    module.register_buffer("marker", torch.zeros(1))
-    module.marker = torch.ones(1)
-    assert "extra" in module._modules and "scale" in module._parameters and module._buffers["marker"].item() == 1.0
-    module.summary = nn.Linear(1, 1)  # an existing plain attribute set to a module is registered and leaves __dict__
-    assert "summary" in module._modules and "summary" not in module.__dict__
-    module.history = torch.zeros(2)  # a tensor for a plain attribute: nn.Module's path (a plain attribute again)
-    assert module.__dict__["history"].shape == (2,)
-    module.automatic_optimization = True  # a property still goes through its setter
-    assert module.automatic_optimization is True
-
-
 def test_validation_scores_and_modes_are_those_of_lightnings_eval_and_train_around_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
