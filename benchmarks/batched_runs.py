@@ -13,6 +13,10 @@
   CPU seconds per seed are also split into its compute-heavy parts (``time_parts``: client SVDs, Phase 1,
   assignments, cluster sums, least squares, k-means; the rest is drawing the data and the rounds' updates).
 
+* ``digits_4x5_split`` (only when named): the 4 × 5 digits grid's default command alone, its CPU time split into
+  ``SPLIT_PARTS`` charged exclusively (Lightning's loops apart from the hooks they call), in ms per run and round;
+  ``--without_logging`` runs it with ``log_scalars`` a no-op, to measure what the rounds' logging costs.
+
 Times are totals on one CPU thread (torch's, and numpy/scipy's BLAS and scikit-learn's OpenMP through
 ``threadpoolctl``): wall seconds and the process's CPU seconds (on a shared machine the CPU time is the steadier
 of the two); the speed-up is reference / batched. The table is printed, ``cpu_seconds.png`` (``plot_cpu``: each
@@ -333,6 +337,126 @@ def cpu_parts():
             setattr(owner, name, fn)
 
 
+#: ``digits_4x5_split``'s parts: (module, function or Class.method, part). They may call one another: each is
+#: charged its exclusive time (``ExclusiveTimes``), so Lightning's loops appear apart from the hooks they call.
+SPLIT_PARTS = (
+    ("lightning.pytorch.cli", "LightningCLI.__init__", "run setup (LightningCLI)"),
+    ("lightning.pytorch.trainer.trainer", "Trainer.fit", "Lightning fit, outside its loops"),
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop.advance", "Lightning training loop"),
+    ("fl_lightning.engine.module", "FederatedModule.training_step", "training_step's own work"),
+    ("fl_lightning.engine.executor", "run_clients", "client training"),
+    ("fl_lightning.engine.aggregation", "Aggregation.collect", "aggregation (collect)"),
+    ("fl_lightning.engine.module", "FederatedModule._server_step", "server step"),
+    ("fl_lightning.engine.module", "FederatedModule.log_scalars", "log_scalars"),
+    ("lightning.pytorch.loops.evaluation_loop", "_EvaluationLoop.run", "Lightning validation loop"),
+    ("fl_lightning.engine.evaluation", "evaluate_clients", "client evaluation"),
+    ("fl_lightning.engine.module", "FederatedModule.on_validation_epoch_end", "validation epoch end"),
+    ("fl_lightning.callbacks", "RoundCheckpoint.on_validation_end", "checkpoints"),
+    ("lightning.pytorch.trainer.call", "_call_callback_hooks", "Lightning callback dispatch"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.logger_connector",
+     "_LoggerConnector.update_train_step_metrics", "Lightning logger connector"),
+    ("lightning.pytorch.trainer.connectors.logger_connector.logger_connector",
+     "_LoggerConnector.update_eval_epoch_metrics", "Lightning logger connector"),
+)  # fmt: skip
+
+
+class ExclusiveTimes:
+    """CPU seconds per part, each call charged its own time less that of the timed calls inside it (per thread:
+    ``clock`` is ``time.thread_time`` unless given)."""
+
+    def __init__(self, clock: Callable[[], float] = time.thread_time) -> None:
+        import threading
+
+        self.clock = clock
+        self.spent: dict[str, float] = {}
+        self._local = threading.local()
+
+    def wrap(self, fn: Callable, part: str) -> Callable:
+        self.spent.setdefault(part, 0.0)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            stack = self._local.__dict__.setdefault("stack", [])
+            stack.append(0.0)  # the time of the timed calls inside this one
+            start = self.clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                elapsed = self.clock() - start
+                self.spent[part] += elapsed - stack.pop()
+                if stack:
+                    stack[-1] += elapsed
+
+        return timed
+
+
+@contextlib.contextmanager
+def exclusive_parts(parts: tuple = SPLIT_PARTS, clock: Callable[[], float] = time.thread_time) -> Any:
+    """``parts``' functions wrapped by one ``ExclusiveTimes`` while the block runs (yields its ``spent``)."""
+    import importlib
+
+    times, saved = ExclusiveTimes(clock), []
+    for module_name, path, part in parts:
+        *owners, name = path.split(".")
+        owner = importlib.import_module(module_name)
+        for attribute in owners:
+            owner = getattr(owner, attribute)
+        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        saved.append((owner, name, fn))
+        setattr(owner, name, times.wrap(fn, part))
+    try:
+        yield times.spent
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)
+
+
+def digits_4x5_split(args: argparse.Namespace, records: list, rows: list) -> None:
+    """The 4 × 5 grid's default command alone, its CPU time split by ``SPLIT_PARTS`` (exclusive) in ms per run and
+    round; "the rest" is the process's CPU time outside them. ``--without_logging`` makes ``log_scalars`` a no-op:
+    what the rounds' logging costs, as the difference of two such runs (its runs log none of their metrics)."""
+    from fl_lightning.engine import lightning_logging
+    from fl_lightning.experiment.runner import run_experiment
+    from fl_lightning.experiment.spec import load_experiment, override
+
+    rounds = 3 if args.quick else args.grid_rounds
+    experiment = load_experiment("configs/experiments/table1_digits.yaml")
+    experiment = experiment.select("method", ["fedavg", "fedprox", "ditto", "fedrep"]).with_seeds(range(5))
+    common = [override("trainer.max_steps", rounds), override("trainer.enable_progress_bar", False),
+              override("wandb.mode", "disabled")]  # fmt: skip
+    root = args.out / "digits_4x5_split"
+    warm = dataclasses.replace(experiment.with_seeds(range(2)), runs_dir=root / "warm-up")
+    _clear(root)
+    with quiet():
+        run_experiment(warm, [*common, override("trainer.max_steps", 1)], out=io.StringIO())
+    log_scalars = lightning_logging.log_scalars
+    if args.without_logging:
+        lightning_logging.log_scalars = lambda module, metrics, prog_bar=False: None
+    try:
+        exp = dataclasses.replace(experiment, runs_dir=root / "default")
+        cpu = cpu_seconds()
+        with quiet(), exclusive_parts() as spent:
+            result = run_experiment(exp, common, out=io.StringIO())
+        cpu = cpu_seconds() - cpu
+    finally:
+        lightning_logging.log_scalars = log_scalars
+    if result.code != 0:
+        raise RuntimeError(f"digits_4x5_split: exit code {result.code}")
+    run_rounds = 20 * rounds
+    parts = {**spent, "the rest": cpu - sum(spent.values())}
+    setting = f"digits_4x5_split,rounds={rounds},without_logging={bool(args.without_logging)}"
+    table = [[part, 1e3 * v / run_rounds] for part, v in sorted(parts.items(), key=lambda kv: -kv[1])]
+    shared = 1e3 * sum(v for part, v in parts.items() if part not in CLIENT_PARTS) / run_rounds
+    print(f"  digits_4x5_split: CPU ms per run-round by part (exclusive), without_logging={args.without_logging}")
+    print(format_table(["part", "ms per run-round"], table))
+    print(f"  digits_4x5_split: shared work per run-round (all but client training and evaluation): {shared:.2f} ms")
+    for part, value in parts.items():
+        records.append(record("digits_4x5_split", "default command", f"ms_per_run_round:{part}",
+                              1e3 * value / run_rounds, setting=setting))  # fmt: skip
+    records.append(record("digits_4x5_split", "default command", "shared_ms_per_run_round", shared, setting=setting))
+    rows.append(["digits_4x5_split", "20 runs, default command", float("nan"), cpu, float("nan"), float("nan"),
+                 float("nan")])  # fmt: skip
+
+
 def grid(args: argparse.Namespace, records: list, rows: list, name: str, methods: list[str] | None, seeds: int) -> None:
     """An experiment grid (configs/experiments/table1_digits.yaml, or some of its methods) by the runner's default
     command (runs batched, the default executor) against the same grid forced onto ``model.executor: sequential``
@@ -477,6 +601,7 @@ WORKLOADS = {
     "design": design,
     "table1_digits": table1_digits,
     "digits_4x5": digits_4x5,
+    "digits_4x5_split": digits_4x5_split,
 }
 
 
@@ -487,7 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mr_rounds", type=int, default=400, help="mixed_regression Phase-2 rounds")
     parser.add_argument("--seeds", type=int, default=5, help="digits_fedrep seeds")
     parser.add_argument("--grid_rounds", type=int, default=100, help="table1_digits / digits_4x5 rounds (Table 1: 100)")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=[w for w in WORKLOADS if w != "digits_4x5_split"],
+                        choices=list(WORKLOADS))
+    parser.add_argument("--without_logging", action="store_true",
+                        help="digits_4x5_split: log_scalars a no-op (what the rounds' logging costs)")
     parser.add_argument("--out", type=Path, default=Path("results/bench/run_axis"))
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "disabled")

@@ -144,3 +144,44 @@ def test_parts_charge_the_modules_one_logging_call() -> None:
     ``log``, which ``log_scalars`` no longer calls (no part calls another)."""
     assert ("fl_lightning.engine.module", "FederatedModule.log_scalars", "self.log") in batched_runs.PARTS
     assert not any(path == "LightningModule.log" for _, path, _ in batched_runs.PARTS)
+
+
+def test_exclusive_times_charge_each_call_its_own_time_less_the_timed_calls_inside() -> None:
+    """A fake clock that advances 1 s per read: outer reads the clock at its start and end (2 s elapsed around
+    inner's 1 s) and inner is called twice, so outer's own time is its elapsed time less inner's."""
+    ticks = iter(range(100))
+    times = batched_runs.ExclusiveTimes(clock=lambda: float(next(ticks)))
+
+    def inner() -> None:
+        pass
+
+    timed_inner = times.wrap(inner, "inner")
+
+    def outer() -> None:
+        timed_inner()
+        timed_inner()
+
+    times.wrap(outer, "outer")()
+    # reads: outer start 0, inner 1→2, inner 3→4, outer end 5: outer 5 − 0 − (1 + 1) = 3, inner 1 + 1 = 2
+    assert times.spent == {"inner": 2.0, "outer": 3.0}
+
+
+def test_exclusive_parts_wraps_and_restores_a_method_and_counts_a_call_that_raises(monkeypatch) -> None:
+    class Worker:
+        def work(self, fail: bool) -> int:
+            if fail:
+                raise ValueError("x")
+            return 7
+
+    original = Worker.__dict__["work"]
+    monkeypatch.setattr(batched_runs, "Worker", Worker, raising=False)
+    clock = iter(range(100))
+    parts = (("benchmarks.batched_runs", "Worker.work", "work"),)
+    with batched_runs.exclusive_parts(parts, clock=lambda: float(next(clock))) as spent:
+        assert Worker().work(False) == 7
+        try:
+            Worker().work(True)
+        except ValueError:
+            pass
+    assert spent == {"work": 2.0}  # two calls of one tick each, the raising one included
+    assert Worker.__dict__["work"] is original
