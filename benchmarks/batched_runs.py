@@ -306,35 +306,46 @@ CLIENT_PARTS = ("client training", "client evaluation")
 
 
 @contextlib.contextmanager
-def cpu_parts():
-    """CPU seconds spent inside ``PARTS`` (per thread, ``time.thread_time``: the run-axis threads take turns, and a
-    thread waiting for the lockstep uses none), by part. The client parts are what the executors can speed up; the
-    others, and everything else (Lightning's loops, the report), are the same work on every path."""
+def wrapped(parts: tuple, wrap: Callable[[Callable, str], Callable]) -> Any:
+    """Each function of ``parts`` ((module, function or Class.method, part)) replaced by ``wrap(function, part)``
+    while the block runs, and put back after it."""
     import importlib
 
-    spent: dict[str, float] = {part: 0.0 for _, _, part in PARTS}
     saved = []
-    for module_name, path, part in PARTS:
+    for module_name, path, part in parts:
         *owners, name = path.split(".")
         owner = importlib.import_module(module_name)
         for attribute in owners:
             owner = getattr(owner, attribute)
         fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-
-        def timed_fn(*a: Any, _fn: Callable = fn, _part: str = part, **k: Any) -> Any:
-            start = time.thread_time()
-            try:
-                return _fn(*a, **k)
-            finally:
-                spent[_part] += time.thread_time() - start
-
         saved.append((owner, name, fn))
-        setattr(owner, name, timed_fn)
+        setattr(owner, name, wrap(fn, part))
     try:
-        yield spent
+        yield
     finally:
         for owner, name, fn in reversed(saved):
             setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def cpu_parts():
+    """CPU seconds spent inside ``PARTS`` (per thread, ``time.thread_time``: the run-axis threads take turns, and a
+    thread waiting for the lockstep uses none), by part. The client parts are what the executors can speed up; the
+    others, and everything else (Lightning's loops, the report), are the same work on every path."""
+    spent: dict[str, float] = {part: 0.0 for _, _, part in PARTS}
+
+    def wrap(fn: Callable, part: str) -> Callable:
+        def timed_fn(*a: Any, **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] += time.thread_time() - start
+
+        return timed_fn
+
+    with wrapped(PARTS, wrap):
+        yield spent
 
 
 #: ``digits_4x5_split``'s parts: (module, function or Class.method, part). They may call one another: each is
@@ -391,23 +402,10 @@ class ExclusiveTimes:
 
 @contextlib.contextmanager
 def exclusive_parts(parts: tuple = SPLIT_PARTS, clock: Callable[[], float] = time.thread_time) -> Any:
-    """``parts``' functions wrapped by one ``ExclusiveTimes`` while the block runs (yields its ``spent``)."""
-    import importlib
-
-    times, saved = ExclusiveTimes(clock), []
-    for module_name, path, part in parts:
-        *owners, name = path.split(".")
-        owner = importlib.import_module(module_name)
-        for attribute in owners:
-            owner = getattr(owner, attribute)
-        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        saved.append((owner, name, fn))
-        setattr(owner, name, times.wrap(fn, part))
-    try:
+    """``parts``' functions timed by one ``ExclusiveTimes`` while the block runs (yields its ``spent``)."""
+    times = ExclusiveTimes(clock)
+    with wrapped(parts, times.wrap):
         yield times.spent
-    finally:
-        for owner, name, fn in reversed(saved):
-            setattr(owner, name, fn)
 
 
 def digits_4x5_split(args: argparse.Namespace, records: list, rows: list) -> None:
