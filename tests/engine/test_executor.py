@@ -51,6 +51,20 @@ from tests.engine import test_module as module_tests
 from tests.helpers.asserts import assert_close_finite
 from tests.helpers.training import make_trainer
 
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """``executor.<name>`` replaced by a wrapper that appends to the returned list at each call."""
+    calls: list[int] = []
+    original = getattr(executor, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(executor, name, counted)
+    return calls
+
+
 CPU = torch.device("cpu")
 BN_NET = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
 RMSPROP = ClientOptimizer.from_config(torch.optim.RMSprop)
@@ -244,21 +258,14 @@ def test_minibatches_per_epoch_counts_each_clients_partial_batch_unless_dropped(
 def test_decide_counts_the_runs_minibatches_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """TinyDigits' clients hold 18 training samples: 2 minibatches of 10, so a CNN run's FedAvg takes the loop on the
     cpu, FedRep (head on cached features) the stacked path; the count is made once per run."""
-    counted = {"calls": 0}
-    original = executor.minibatches_per_epoch
-
-    def counting(*args: Any, **kwargs: Any) -> float:
-        counted["calls"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(executor, "minibatches_per_epoch", counting)
+    counted = _count_calls(monkeypatch, "minibatches_per_epoch")
     dm = TinyDigits()
     dm.setup()  # carves the validation quarter: 18 training samples per client
     module = FederatedModule(FedAvg(1), DigitsCNN())
     module.attach_data(dm.federated)
     module._trainer = SimpleNamespace(datamodule=dm, world_size=1)
     decisions = [executor.decide(module, PER_ROUND) for _ in range(3)]
-    assert counted["calls"] == 1
+    assert len(counted) == 1
     assert decisions[0].path == "sequential" and "take 2 minibatches per epoch" in decisions[0].reason
     rep = FederatedModule(FedRep(1, 1), DigitsCNN())
     rep.attach_data(dm.federated)
@@ -485,19 +492,12 @@ def test_the_choice_is_said_once_per_run_at_info(caplog: pytest.LogCaptureFixtur
 
 
 def test_vectorized_that_cannot_run_warns_once_and_runs_the_loop(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
-    calls = {"stacked": 0}
-    original = executor.vector_context
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["stacked"] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(executor, "vector_context", counted)
+    stacked = _count_calls(monkeypatch, "vector_context")
     with caplog.at_level(logging.INFO, logger="fl_lightning"):
         _short_fit(FederatedModule(_Inherits(1), DigitsMLP(hidden=(16,)), executor="vectorized"))
     assert _said(caplog, logging.WARNING) == [f"executor 'vectorized' falls back to 'sequential': {NOT_MARKED}"]
     assert not [m for m in _said(caplog, logging.INFO) if m.startswith("executor")]
-    assert calls["stacked"] == 0
+    assert len(stacked) == 0
 
 
 def test_the_cohort_size_decides_for_the_whole_run_whatever_drops_out() -> None:
@@ -673,17 +673,10 @@ def test_run_clients_of_a_module_without_trainer_stack_its_clients(monkeypatch: 
     glob = {n: p.detach().clone() for n, p in _tiny_module().net.named_parameters()}
     seq, auto = _tiny_module(executor="sequential"), _tiny_module()
     auto.net.load_state_dict(seq.net.state_dict())
-    calls = {"stacked": 0}
-    original = executor.vector_context
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["stacked"] += 1
-        return original(*args, **kwargs)
-
     want = executor.run_clients(seq, [0, 1, 2], 0, glob, [{}, {}, {}], [1.0] * 3)
-    monkeypatch.setattr(executor, "vector_context", counted)
+    stacked = _count_calls(monkeypatch, "vector_context")
     got = executor.run_clients(auto, [0, 1, 2], 0, glob, [{}, {}, {}], [1.0] * 3)
-    assert calls["stacked"] == 1
+    assert len(stacked) == 1
     for a, b in zip(got, want):
         assert a.num_samples == b.num_samples
         for n in b.upload:
