@@ -12,6 +12,7 @@ import torch
 from fl_lightning.experiment.run_axis import BatchedRuns
 from fl_lightning.experiment.run_axis.__main__ import main as run_axis_main
 from fl_lightning.experiment.run_axis.__main__ import seed_runs
+from tests.helpers.experiment_files import tree
 from tests.helpers.run_axis_runs import QUICK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,14 +59,6 @@ def test_what_the_engine_says_inside_a_shared_step_is_in_every_runs_log(tmp_path
 
 
 # ---- a refused job changes nothing, anywhere (issue 45) ------------------------------------------------------------
-
-
-def tree(folder: Path) -> dict[str, str]:
-    """Every file (its bytes' hash) and folder under ``folder``."""
-    import hashlib
-
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

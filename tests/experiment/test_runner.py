@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from fl_lightning.experiment.__main__ import main
-from tests.helpers.experiment_files import DIGITS, ROOT, tiny, write_experiment
+from tests.helpers.experiment_files import DIGITS, ROOT, tiny, tree, write_experiment
 
 
 def last10_from_csv(run_dir: Path) -> float:
@@ -102,14 +102,6 @@ def test_train_py_refuses_an_experiments_folder_as_its_run_dir(tiny_grid, capsys
         lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert code == 2 and len(lines) == 1 and "holds an experiment's runs in its subfolders" in lines[0], lines
     assert sorted(str(p) for p in runs.rglob("*")) == before
-
-
-def tree(folder: Path) -> dict[str, str]:
-    """Every file (its bytes' hash) and folder under ``folder``."""
-    import hashlib
-
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(folder.rglob("*"))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Shared by the experiment runner's tests: a small experiment file (2 methods × seeds on digits, W&B off) written
-to a folder."""
+to a folder, and a folder's contents by hash (``tree``: a refused command changes nothing)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "digits")
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file (its bytes' hash) and folder under ``folder``."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
 
 
 def write_experiment(folder: Path, data: dict) -> Path:
